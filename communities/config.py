@@ -1,0 +1,320 @@
+"""Typed, validated run configuration.
+
+One YAML file plus ``key.path=value`` overrides becomes one frozen ``Config``.
+Rank 0 validates it and broadcasts the resolved JSON; every rank validates the
+same bytes again, so all ranks hold an identical config. Every error names the
+key, the value and what is allowed, and unknown keys suggest the nearest valid one.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, List, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the key, the value and the allowed range."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class Schedule(_Section):
+    """A scalar annealed from ``start`` to ``end`` over ``[begin, begin + horizon]`` units."""
+
+    start: float
+    end: float
+    shape: Literal["linear", "cosine", "exp", "constant"] = "linear"
+    begin: int = Field(0, ge=0, description="unit at which annealing starts")
+    horizon: int = Field(100, ge=1, description="units the annealing takes")
+
+    @model_validator(mode="after")
+    def _exp_needs_positive(self):
+        if self.shape == "exp" and (self.start <= 0 or self.end <= 0):
+            raise ValueError(f"shape 'exp' needs start > 0 and end > 0, got start={self.start}, end={self.end}")
+        return self
+
+
+class SyntheticData(_Section):
+    n_samples: int = Field(4000, ge=20)
+    n_features: int = Field(32, ge=1)
+    n_classes: int = Field(8, ge=2)
+    class_sep: float = Field(2.0, gt=0)
+    noise: float = Field(1.0, ge=0)
+
+
+class DataConfig(_Section):
+    dataset: str = Field("digits", description="digits | mnist1d | synthetic | module:function")
+    partition: Literal["iid", "dirichlet", "label_groups"] = "iid"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition: dirichlet)")
+    groups: int = Field(4, ge=1, description="planted groups of ranks (partition: label_groups)")
+    purity: float = Field(1.0, ge=0, le=1, description="share of a rank's data drawn from its group's labels")
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="held-out share for datasets without a test split")
+    standardize: bool = True
+    synthetic: SyntheticData = SyntheticData()
+
+    @model_validator(mode="after")
+    def _dataset_known(self):
+        if self.dataset not in ("digits", "mnist1d", "synthetic") and ":" not in self.dataset:
+            raise ValueError(
+                f"data.dataset={self.dataset!r} is not one of digits, mnist1d, synthetic, "
+                "or a 'package.module:function' returning (x_train, y_train, x_test, y_test)"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    name: str = Field("mlp", description="mlp | cnn1d | module:function")
+    hidden: List[int] = Field(default_factory=lambda: [64])
+    channels: int = Field(25, ge=1, description="cnn1d channels")
+    batchnorm: bool = False
+    dropout: float = Field(0.0, ge=0, lt=1)
+    init: Literal["shared", "per_rank"] = Field(
+        "shared", description="shared: rank 0's weights broadcast; per_rank: each rank its own (tests)"
+    )
+
+    @model_validator(mode="after")
+    def _model_known(self):
+        if self.name not in ("mlp", "cnn1d") and ":" not in self.name:
+            raise ValueError(f"model.name={self.name!r} is not one of mlp, cnn1d, or a 'module:function'")
+        if any(h < 1 for h in self.hidden):
+            raise ValueError(f"model.hidden={self.hidden} must hold positive layer widths")
+        return self
+
+
+class TrainConfig(_Section):
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.05, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    betas: List[float] = Field(default_factory=lambda: [0.9, 0.999])
+    batch_size: int = Field(32, ge=1)
+    unit: Literal["epoch", "steps"] = Field("epoch", description="one unit of virtual time")
+    steps_per_unit: int = Field(10, ge=1, description="steps per unit when unit: steps")
+    budget: int = Field(100, ge=1, description="maximum units of virtual time")
+    eval_every: int = Field(10, ge=1, description="units between test evaluations")
+
+    @model_validator(mode="after")
+    def _betas(self):
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas={self.betas} must be two numbers in [0, 1)")
+        return self
+
+
+class OuterConfig(_Section):
+    """DiLoCo-style outer step on the pseudo-gradient ``w_before - w_merged``."""
+
+    enabled: bool = False
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class MergeConfig(_Section):
+    lam: float = Field(2.0, ge=1, description="mean units between a rank's merges; K ~ 1 + Poisson(lam - 1)")
+    rule: Literal["constant", "clock", "loss", "ema", "swap"] = "constant"
+    alpha: float = Field(0.5, ge=0, le=1, description="interpolation weight a for constant/clock/loss")
+    ema: Schedule = Schedule(start=0.1, end=0.5, shape="linear", horizon=100)
+    optimizer_state: Literal["keep", "reset", "average"] = "keep"
+    outer: OuterConfig = OuterConfig()
+
+    @model_validator(mode="after")
+    def _ema_range(self):
+        for v in (self.ema.start, self.ema.end):
+            if not 0 <= v <= 1:
+                raise ValueError(f"merge.ema start/end must lie in [0, 1], got {v}")
+        return self
+
+
+class SignatureConfig(_Section):
+    kind: Literal["countsketch", "gaussian"] = "countsketch"
+    dim: int = Field(256, ge=2, description="signature dimension d")
+    every: int = Field(5, ge=1, description="units S between signature rounds")
+    overlap: bool = Field(False, description="Iallgather started at t takes effect at t + every")
+
+
+class ClusteringConfig(_Section):
+    linkage: Literal["average", "complete", "ward", "single"] = "average"
+    metric: Literal["cosine", "euclidean"] = "cosine"
+    cut: Literal["maxclust", "distance", "auto"] = "auto"
+    k: Schedule = Schedule(start=4, end=1, shape="linear", horizon=100)
+    threshold: float = Field(0.5, gt=0, description="distance threshold (cut: distance)")
+    max_communities: int = Field(16, ge=1, description="largest k tried by cut: auto")
+    min_silhouette: float = Field(0.25, ge=-1, le=1, description="auto cut: below this, one community")
+
+    @model_validator(mode="after")
+    def _ward_euclidean(self):
+        if self.linkage == "ward" and self.metric != "euclidean":
+            raise ValueError("clustering.linkage='ward' needs clustering.metric='euclidean'")
+        if self.k.start < 1 or self.k.end < 1:
+            raise ValueError(f"clustering.k must stay >= 1, got start={self.k.start}, end={self.k.end}")
+        return self
+
+
+class PartnerConfig(_Section):
+    law: Literal["flat", "hierarchical"] = "flat"
+    p_intra: float = Field(1.0, gt=0)
+    p_cross: Schedule = Schedule(start=0.02, end=1.0, shape="cosine", horizon=100)
+    temperature: Schedule = Schedule(start=0.05, end=20.0, shape="exp", horizon=100)
+
+    @model_validator(mode="after")
+    def _p_cross(self):
+        if self.p_cross.start < 0 or self.p_cross.end < 0:
+            raise ValueError("partners.p_cross must stay >= 0")
+        if self.p_cross.end > self.p_intra:
+            raise ValueError(f"partners.p_cross.end={self.p_cross.end} exceeds partners.p_intra={self.p_intra}")
+        if self.temperature.start <= 0 or self.temperature.end <= 0:
+            raise ValueError("partners.temperature must stay > 0")
+        return self
+
+
+class ConsensusConfig(_Section):
+    tol: float = Field(0.05, gt=0, description="relative signature dispersion counted as consensus")
+    patience: int = Field(3, ge=1, description="consecutive rounds under tol, after annealing, to stop")
+    stop: bool = Field(True, description="stop at consensus; false runs the whole budget")
+
+
+class OutputConfig(_Section):
+    root: str = "results"
+    consensus_every: int = Field(0, ge=0, description="units between consensus-model evaluations (0: eval_every)")
+
+
+class CommConfig(_Section):
+    cuda_aware: bool = Field(False, description="pass device buffers to MPI directly")
+    check_hashes: bool = Field(True, description="allgather a hash of exchange lists and communities each round")
+
+
+STRATEGIES = ("community", "gossip", "ring", "isolated")
+
+
+class Config(_Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.\-]+$")
+    seed: int = Field(0, ge=0)
+    strategy: Literal["community", "gossip", "ring", "isolated"] = "community"
+    world_size: Optional[int] = Field(None, ge=1, description="expected MPI world size; null accepts any")
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    threads: int = Field(1, ge=1, description="torch threads per rank")
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    merge: MergeConfig = MergeConfig()
+    signature: SignatureConfig = SignatureConfig()
+    clustering: ClusteringConfig = ClusteringConfig()
+    partners: PartnerConfig = PartnerConfig()
+    consensus: ConsensusConfig = ConsensusConfig()
+    output: OutputConfig = OutputConfig()
+    comm: CommConfig = CommConfig()
+
+    def check_world(self, world: int) -> None:
+        """Checks that need the world size; raise ConfigError naming the key."""
+        if self.world_size is not None and self.world_size != world:
+            raise ConfigError(f"world_size={self.world_size} but MPI started {world} ranks")
+        if self.data.partition == "label_groups" and self.data.groups > world:
+            raise ConfigError(
+                f"data.groups={self.data.groups} planted groups need at least as many ranks; world size is {world}"
+            )
+        if self.strategy == "community" and self.clustering.cut == "maxclust" and self.clustering.k.start > world:
+            raise ConfigError(f"clustering.k.start={self.clustering.k.start} exceeds the world size {world}")
+        if self.strategy in ("community", "gossip") and world < 2:
+            raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> List[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        keys.append(path)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_all_keys(ann, path + "."))
+    return keys
+
+
+def _format_error(err: dict, raw: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+    value = raw
+    for part in err["loc"]:
+        value = value.get(part) if isinstance(value, dict) else None
+    if err["type"] == "extra_forbidden":
+        near = difflib.get_close_matches(loc, _all_keys(Config), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        return f"unknown key {loc!r}{hint}"
+    msg = err["msg"].removeprefix("Value error, ")
+    where = f"{loc}: " if loc else ""
+    if value is not None and not isinstance(value, dict) and f"{value}" not in msg:
+        return f"{where}{msg} (got {value!r})"
+    return f"{where}{msg}"
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: List[str]) -> dict:
+    """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict."""
+    out = json.loads(json.dumps(raw))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = _parse_scalar(text)
+    return out
+
+
+def from_dict(raw: Any, source: str = "config") -> Config:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_format_error(e, raw) for e in exc.errors()]
+        raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(lines))) from None
+
+
+def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
+    """Read YAML at ``path``, apply overrides, validate."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    return from_dict(apply_overrides(raw or {}, overrides or []), source=str(path))
+
+
+def from_json(text: str) -> Config:
+    return from_dict(json.loads(text), source="broadcast config")

@@ -1,0 +1,37 @@
+"""Packaging for `communities`.
+
+The core install stays light: torch, numpy, scipy, scikit-learn, mpi4py, pyyaml,
+pydantic, tqdm. The MPI *library* is the user's choice: on a cluster use the
+system MPI that mpi4py was built against; on a laptop or CI the ``[mpich]`` extra
+brings a self-contained ``mpiexec`` from PyPI.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="communities",
+    version="0.1.0",
+    description="Decentralized data-parallel PyTorch training over MPI with "
+    "hierarchical community-clustered pairwise gossip",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["communities", "communities.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        # A lower bound only: users keep the torch build (CUDA/ROCm/CPU) they have.
+        "torch>=2.1",
+        "numpy>=1.23",
+        "scipy>=1.9",
+        "scikit-learn>=1.2",
+        "mpi4py>=3.1",
+        "pyyaml>=6",
+        "pydantic>=2.4",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "mpich": ["mpich"],
+        "inspect": ["matplotlib>=3.6"],
+        "mnist1d": ["mnist1d>=0.0.2"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2"],
+    },
+    entry_points={"console_scripts": ["communities=communities.cli:main"]},
+)
