@@ -147,6 +147,9 @@ class ClusteringConfig(_Section):
     threshold: float = Field(0.5, gt=0, description="distance threshold (cut: distance)")
     max_communities: int = Field(16, ge=1, description="largest k tried by cut: auto")
     min_silhouette: float = Field(0.25, ge=-1, le=1, description="auto cut: below this, one community")
+    min_separation: float = Field(
+        0.1, ge=0, description="auto cut: communities must join at least this far apart (cosine distance, or "
+        "euclidean relative to the RMS signature norm)")
 
     @model_validator(mode="after")
     def _ward_euclidean(self):

@@ -1,0 +1,8 @@
+"""communities: decentralized data-parallel PyTorch training over MPI.
+
+Ranks train on their own shards, allgather random-projection signatures of their
+weights, cluster them into communities, and gossip-merge mostly within their
+community while the probability of a cross-community partner anneals upward
+until one consensus model emerges.
+"""
+__version__ = "0.1.0"

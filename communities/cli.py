@@ -1,0 +1,139 @@
+"""Command line: ``communities run | validate | inspect``.
+
+``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
+process. Errors a user can fix (config, data, run directory) print one line
+from rank 0 and exit 2 on every rank, before any rank trains; ``--debug``
+shows the traceback. Any other exception on any rank prints that rank's
+traceback and aborts the whole MPI job, so nothing hangs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import List, Optional
+
+EXIT_USER = 2
+
+
+def _run_parser(sub) -> None:
+    p = sub.add_parser("run", help="train under mpiexec/srun: communities run CONFIG [key.path=value ...]")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=0.1 merge.rule=clock")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing results/<name>/")
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
+    p.add_argument("--no-progress", action="store_true", help="no progress output on rank 0")
+
+
+def _validate_parser(sub) -> None:
+    p = sub.add_parser("validate", help="check a config without MPI and print it resolved")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--world-size", type=int, default=None, help="also check against this many ranks")
+    p.add_argument("--debug", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="communities", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
+    _validate_parser(sub)
+    sub.add_parser("inspect", help="dendrograms, timeline and report of finished runs", add_help=False)
+    return parser
+
+
+def cmd_validate(args) -> int:
+    from .config import load
+
+    cfg = load(args.config, args.overrides)
+    if args.world_size is not None:
+        cfg.check_world(args.world_size)
+    print(cfg.to_yaml(), end="")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .comm import World, launcher_world_size
+    from .config import ConfigError, from_json, load
+    from . import orchestrator
+
+    world = World()
+    text, err = None, ""
+    if world.rank == 0:
+        try:
+            cfg = load(args.config, args.overrides)
+            text = cfg.to_json()
+            launched = launcher_world_size()
+            if launched and launched[1] > 1 and world.size == 1:
+                raise ConfigError(
+                    f"the launcher started {launched[1]} processes ({launched[0]}={launched[1]}) but MPI reports a "
+                    "world of 1: mpi4py is built against a different MPI library than the launcher. Use the "
+                    "mpiexec that belongs to mpi4py's MPI (python -m mpi4py --mpi-library) or srun --mpi=pmi2/pmix."
+                )
+        except ConfigError as exc:
+            err = str(exc)
+    err = world.bcast_text(err)
+    if err:
+        raise ConfigError(err)
+    cfg = from_json(world.bcast_text(text))
+    orchestrator.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "inspect":
+        from .inspection import main_inspect
+
+        return main_inspect(argv[1:])
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may follow options (``run cfg.yaml --overwrite train.lr=0.1``)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    from .config import ConfigError
+    from .data import DataError
+    from .models import ModelError
+    from .results import ResultsError
+
+    user_errors = (ConfigError, DataError, ModelError, ResultsError)
+    try:
+        if args.command == "validate":
+            return cmd_validate(args)
+        return cmd_run(args)
+    except user_errors as exc:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        if not _is_mpi_worker():
+            print(f"communities: error: {exc}", file=sys.stderr)
+        return EXIT_USER
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:
+        _abort_job()
+        raise
+
+
+def _is_mpi_worker() -> bool:
+    """True on ranks other than 0 once MPI is up (so a user error prints once)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return bool(mpi and mpi.Is_initialized() and mpi.COMM_WORLD.Get_rank() != 0)
+
+
+def _abort_job() -> None:
+    """Print this rank's traceback and abort every rank: a failure must never hang the job."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
+        return
+    rank = mpi.COMM_WORLD.Get_rank()
+    sys.stderr.write(f"communities: rank {rank} failed; aborting all {mpi.COMM_WORLD.Get_size()} ranks\n")
+    traceback.print_exc()
+    sys.stderr.flush()
+    mpi.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The MPI layer: the only module that talks to mpi4py.
+
+Buffer-first: weights, signatures, metrics and metadata cross as contiguous
+numeric buffers through the uppercase mpi4py calls (``Sendrecv``, ``Allgather``,
+``Allreduce``, ``Gatherv``, ``Bcast``). Nothing received from another rank is
+unpickled: the only structured message, the config, crosses as UTF-8 JSON bytes
+and is validated on arrival.
+
+Device tensors are staged through pinned host buffers unless the MPI library is
+CUDA-aware (``comm.cuda_aware``), in which case the device pointers go to MPI.
+Bytes sent are counted per rank.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+class World:
+    """This rank's view of the MPI world, with byte counters and staging buffers."""
+
+    def __init__(self, comm=None, cuda_aware: bool = False):
+        MPI = _mpi()
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.cuda_aware = cuda_aware
+        self.bytes_sent = 0
+        self._staging: Dict[Tuple[str, int, torch.dtype], torch.Tensor] = {}
+        self._local_rank: Optional[int] = None
+
+    # ---------------------------------------------------------------- topology
+
+    @property
+    def local_rank(self) -> int:
+        """Rank among the processes on this node (shared-memory split), for GPU binding."""
+        if self._local_rank is None:
+            node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+            self._local_rank = node.Get_rank()
+            node.Free()
+        return self._local_rank
+
+    def hostnames(self) -> List[str]:
+        """Every rank's host name, via a fixed-width byte Allgather."""
+        name = socket.gethostname().encode()[:64].ljust(64, b"\0")
+        out = np.zeros((self.size, 64), dtype=np.uint8)
+        self.comm.Allgather(np.frombuffer(name, dtype=np.uint8), out)
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
+
+    @staticmethod
+    def library_version() -> str:
+        return _mpi().Get_library_version().strip().splitlines()[0]
+
+    # ---------------------------------------------------------------- staging
+
+    def _host(self, t: torch.Tensor, slot: str) -> torch.Tensor:
+        key = (slot, t.numel(), t.dtype)
+        buf = self._staging.get(key)
+        if buf is None:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            self._staging[key] = buf
+        return buf
+
+    def _as_buffer(self, t: torch.Tensor):
+        if t.device.type == "cpu":
+            return t.numpy()
+        return t  # CUDA-aware MPI reads __cuda_array_interface__ / DLPack
+
+    # ---------------------------------------------------------------- point to point
+
+    def sendrecv(self, send: torch.Tensor, recv: torch.Tensor, peer: int, tag: int = 0) -> None:
+        """Blocking exchange of two equal-sized contiguous tensors with ``peer``."""
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError("sendrecv needs contiguous tensors")
+        if send.device.type != "cpu" and not self.cuda_aware:
+            hs, hr = self._host(send, "send"), self._host(recv, "recv")
+            hs.copy_(send.reshape(-1))
+            self.comm.Sendrecv(hs.numpy(), dest=peer, sendtag=tag, recvbuf=hr.numpy(), source=peer, recvtag=tag)
+            recv.reshape(-1).copy_(hr, non_blocking=False)
+        else:
+            if send.device.type != "cpu":
+                torch.cuda.current_stream(send.device).synchronize()
+            self.comm.Sendrecv(self._as_buffer(send), dest=peer, sendtag=tag,
+                               recvbuf=self._as_buffer(recv), source=peer, recvtag=tag)
+        self.bytes_sent += send.numel() * send.element_size()
+
+    def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
+        """Exchange a small numeric array of the same shape and dtype with ``peer``."""
+        send = np.ascontiguousarray(send)
+        recv = np.empty_like(send)
+        self.comm.Sendrecv(send, dest=peer, sendtag=tag, recvbuf=recv, source=peer, recvtag=tag)
+        self.bytes_sent += send.nbytes
+        return recv
+
+    # ---------------------------------------------------------------- collectives
+
+    def allgather(self, row: np.ndarray) -> np.ndarray:
+        """Stack every rank's equal-shaped ``row`` into an (N, ...) array, identical on all ranks."""
+        row = np.ascontiguousarray(row)
+        out = np.empty((self.size,) + row.shape, dtype=row.dtype)
+        self.comm.Allgather(row, out)
+        self.bytes_sent += row.nbytes * (self.size - 1)
+        return out
+
+    def iallgather(self, row: np.ndarray):
+        """Start a non-blocking allgather; returns (request, out). ``row`` is copied, so the caller may reuse it."""
+        row = np.array(row, copy=True, order="C")
+        out = np.empty((self.size,) + row.shape, dtype=row.dtype)
+        req = self.comm.Iallgather(row, out)
+        self.bytes_sent += row.nbytes * (self.size - 1)
+        return req, out, row  # keep ``row`` alive until the request completes
+
+    def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks of a contiguous tensor."""
+        if t.device.type != "cpu" and not self.cuda_aware:
+            h = self._host(t, "reduce")
+            h.copy_(t.reshape(-1))
+            self.comm.Allreduce(self.MPI.IN_PLACE, h.numpy(), op=self.MPI.SUM)
+            t.reshape(-1).copy_(h)
+        else:
+            self.comm.Allreduce(self.MPI.IN_PLACE, self._as_buffer(t), op=self.MPI.SUM)
+        self.bytes_sent += t.numel() * t.element_size()
+        return t
+
+    def allreduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
+        self.allreduce_sum_(t)
+        return t.div_(self.size)
+
+    def allreduce_scalar(self, value: float, op: str = "sum") -> float:
+        buf = np.array([value], dtype=np.float64)
+        mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
+        return float(buf[0])
+
+    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if t.device.type != "cpu" and not self.cuda_aware:
+            h = self._host(t, "bcast")
+            h.copy_(t.reshape(-1))
+            self.comm.Bcast(h.numpy(), root=root)
+            t.reshape(-1).copy_(h)
+        else:
+            self.comm.Bcast(self._as_buffer(t), root=root)
+        return t
+
+    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0) -> np.ndarray:
+        buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
+        self.comm.Bcast(buf, root=root)
+        return buf
+
+    def bcast_text(self, text: Optional[str], root: int = 0) -> str:
+        """Broadcast UTF-8 text as a length-prefixed byte buffer (no pickle)."""
+        data = text.encode() if self.rank == root and text is not None else b""
+        n = np.array([len(data)], dtype=np.int64)
+        self.comm.Bcast(n, root=root)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), dtype=np.uint8)
+        self.comm.Bcast(buf, root=root)
+        return bytes(buf).decode()
+
+    def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
+        """Gatherv of each rank's 2-D float64 block (variable row count) to ``root``."""
+        rows = np.ascontiguousarray(rows, dtype=np.float64)
+        width = rows.shape[1] if rows.ndim == 2 else 0
+        counts = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([rows.size], dtype=np.int64), counts)
+        if self.rank == root:
+            recv = np.empty(int(counts.sum()), dtype=np.float64)
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            self.comm.Gatherv(rows.reshape(-1), [recv, counts, displs, self.MPI.DOUBLE], root=root)
+            return [recv[d: d + c].reshape(-1, width) if width else recv[d: d + c].reshape(0, 0)
+                    for d, c in zip(displs, counts)]
+        self.comm.Gatherv(rows.reshape(-1), None, root=root)
+        return None
+
+    def agree(self, digest: bytes, what: str) -> None:
+        """Allgather a 16-byte digest; raise naming the ranks that disagree with rank 0."""
+        got = self.allgather(np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8))
+        bad = [r for r in range(self.size) if not np.array_equal(got[r], got[0])]
+        if bad:
+            raise RuntimeError(f"ranks {bad} disagree with rank 0 on {what}")
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        self.comm.Abort(code)
+
+
+class Stopwatch:
+    """Accumulates wall time per category: train, exchange, signature, idle, eval."""
+
+    CATEGORIES = ("train", "exchange", "signature", "idle", "eval")
+
+    def __init__(self):
+        self.total = {c: 0.0 for c in self.CATEGORIES}
+
+    @contextmanager
+    def __call__(self, category: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total[category] += time.perf_counter() - start
+
+
+def launcher_world_size() -> Optional[Tuple[str, int]]:
+    """The world size the launcher announced, from its environment, if any."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS_TOTAL", "SLURM_NTASKS"):
+        v = os.environ.get(var)
+        if v and v.isdigit():
+            return var, int(v)
+    return None

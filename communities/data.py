@@ -1,0 +1,228 @@
+"""Datasets and partitions.
+
+Every rank loads the same dataset and computes the same partition from the same
+seed; it then keeps its own shard. The train/test split is shared.
+
+Datasets: ``digits`` (bundled with scikit-learn), ``mnist1d`` (generated locally),
+``synthetic`` (a Gaussian mixture), or a user's ``module:function`` returning
+``(x_train, y_train, x_test, y_test)``.
+Partitions: ``iid``, ``dirichlet`` (alpha), ``label_groups`` (planted groups of
+ranks with disjoint label sets, ``purity`` of each shard from its group's labels).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+
+class DataError(ValueError):
+    """A dataset or partition that cannot be used; the message says which and why."""
+
+
+@dataclass
+class Dataset:
+    x_train: np.ndarray  # float32 (n, ...) features
+    y_train: np.ndarray  # int64 (n,)
+    x_test: np.ndarray
+    y_test: np.ndarray
+    name: str
+
+    @property
+    def n_classes(self) -> int:
+        return int(max(self.y_train.max(), self.y_test.max())) + 1
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+@dataclass
+class Shard:
+    """A rank's training data plus the planted group it belongs to (or None)."""
+
+    indices: np.ndarray  # into Dataset.x_train
+    group: Optional[int]
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _split(x, y, test_fraction, seed):
+    from sklearn.model_selection import train_test_split
+
+    return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+
+
+def load_digits(test_fraction: float, seed: int) -> Dataset:
+    from sklearn.datasets import load_digits as sk_digits
+
+    d = sk_digits()
+    xtr, xte, ytr, yte = _split(d.data.astype(np.float32), d.target.astype(np.int64), test_fraction, seed)
+    return Dataset(xtr, ytr, xte, yte, "digits")
+
+
+def load_mnist1d(seed: int) -> Dataset:
+    """MNIST-1D from its generator (4000 train / 1000 test, 40 features).
+
+    ``make_dataset`` reseeds numpy's global state; callers seed after this.
+    """
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        raise DataError("data.dataset='mnist1d' needs the mnist1d package: pip install 'communities[mnist1d]'") from None
+    args = get_dataset_args()
+    d = make_dataset(args)
+    return Dataset(
+        d["x"].astype(np.float32), d["y"].astype(np.int64),
+        d["x_test"].astype(np.float32), d["y_test"].astype(np.int64), "mnist1d",
+    )
+
+
+def load_synthetic(cfg, test_fraction: float, seed: int) -> Dataset:
+    """A Gaussian mixture: one cluster of ``n_features`` dims per class, ``class_sep`` apart."""
+    rng = np.random.default_rng([seed, 17])
+    n, f, c = cfg.n_samples, cfg.n_features, cfg.n_classes
+    centers = rng.normal(size=(c, f))
+    centers *= cfg.class_sep / np.maximum(np.linalg.norm(centers, axis=1, keepdims=True), 1e-12) * np.sqrt(f) / 2
+    y = rng.integers(0, c, size=n)
+    x = centers[y] + cfg.noise * rng.normal(size=(n, f))
+    xtr, xte, ytr, yte = _split(x.astype(np.float32), y.astype(np.int64), test_fraction, seed)
+    return Dataset(xtr, ytr, xte, yte, "synthetic")
+
+
+def load_user(spec: str) -> Dataset:
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise DataError(f"data.dataset={spec!r}: cannot import {fn_name!r} from {mod_name!r} ({exc})") from None
+    out = fn()
+    if not isinstance(out, (tuple, list)) or len(out) != 4:
+        raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), got {type(out).__name__}")
+    arrays = [np.asarray(a.numpy() if isinstance(a, torch.Tensor) else a) for a in out]
+    xtr, ytr, xte, yte = arrays
+    return validate(Dataset(xtr.astype(np.float32), ytr.astype(np.int64), xte.astype(np.float32), yte.astype(np.int64), spec))
+
+
+def validate(ds: Dataset) -> Dataset:
+    """Shapes and labels a classifier can train on; raises DataError naming the dataset."""
+    where = f"data.dataset={ds.name!r}"
+    if ds.x_train.ndim < 2 or ds.x_test.ndim < 2:
+        raise DataError(f"{where}: x_train and x_test need shape (n, features...), got {ds.x_train.shape} and {ds.x_test.shape}")
+    if ds.y_train.ndim != 1 or ds.y_test.ndim != 1:
+        raise DataError(f"{where}: y_train and y_test must be 1-D label vectors, got {ds.y_train.shape} and {ds.y_test.shape}")
+    if len(ds.x_train) != len(ds.y_train) or len(ds.x_test) != len(ds.y_test):
+        raise DataError(f"{where}: x and y lengths differ (train {len(ds.x_train)} vs {len(ds.y_train)}, test {len(ds.x_test)} vs {len(ds.y_test)})")
+    if ds.x_train.shape[1:] != ds.x_test.shape[1:]:
+        raise DataError(f"{where}: train features {ds.x_train.shape[1:]} differ from test features {ds.x_test.shape[1:]}")
+    if len(ds.y_train) == 0 or len(ds.y_test) == 0:
+        raise DataError(f"{where}: empty train or test set")
+    if min(ds.y_train.min(), ds.y_test.min()) < 0:
+        raise DataError(f"{where}: labels must be integers >= 0")
+    if not (np.isfinite(ds.x_train).all() and np.isfinite(ds.x_test).all()):
+        raise DataError(f"{where}: features hold NaN or Inf")
+    return ds
+
+
+def load(cfg, seed: int) -> Dataset:
+    """The dataset named by ``cfg`` (a DataConfig), standardised with train statistics."""
+    if cfg.dataset == "digits":
+        ds = load_digits(cfg.test_fraction, seed)
+    elif cfg.dataset == "mnist1d":
+        ds = load_mnist1d(seed)
+    elif cfg.dataset == "synthetic":
+        ds = load_synthetic(cfg.synthetic, cfg.test_fraction, seed)
+    else:
+        ds = load_user(cfg.dataset)
+    ds = validate(ds)
+    if cfg.standardize:
+        axes = 0
+        mu = ds.x_train.mean(axis=axes, keepdims=True)
+        sd = ds.x_train.std(axis=axes, keepdims=True)
+        sd[sd < 1e-6] = 1.0
+        ds.x_train = ((ds.x_train - mu) / sd).astype(np.float32)
+        ds.x_test = ((ds.x_test - mu) / sd).astype(np.float32)
+    return ds
+
+
+# --------------------------------------------------------------------------- partitions
+
+
+def group_of_rank(rank: int, world: int, groups: int) -> int:
+    """Contiguous blocks: ranks [0, N/G) are group 0, and so on."""
+    return rank * groups // world
+
+
+def partition(y: np.ndarray, world: int, kind: str, seed: int, alpha: float = 0.5, groups: int = 1,
+              purity: float = 1.0) -> List[Shard]:
+    """All N shards (disjoint index sets covering the training set). Same result on every rank."""
+    y = np.asarray(y)
+    n_classes = int(y.max()) + 1
+    rng = np.random.default_rng([seed, 29])
+    if kind == "iid":
+        perm = rng.permutation(len(y))
+        return [Shard(np.sort(p), None) for p in np.array_split(perm, world)]
+    if kind == "dirichlet":
+        owners: List[List[int]] = [[] for _ in range(world)]
+        for c in range(n_classes):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            share = rng.dirichlet(np.full(world, alpha))
+            cuts = (np.cumsum(share)[:-1] * len(idx)).astype(int)
+            for r, part in enumerate(np.split(idx, cuts)):
+                owners[r].extend(part.tolist())
+        shards = [Shard(np.sort(np.array(o, dtype=np.int64)), None) for o in owners]
+        return _ensure_nonempty(shards, rng)
+    if kind == "label_groups":
+        if groups > world:
+            raise DataError(f"data.groups={groups} exceeds the world size {world}")
+        if groups > n_classes:
+            raise DataError(f"data.groups={groups} exceeds the number of classes {n_classes}")
+        rank_group = np.array([group_of_rank(r, world, groups) for r in range(world)])
+        owners = [[] for _ in range(world)]
+        for c in range(n_classes):
+            g = c % groups
+            idx = rng.permutation(np.flatnonzero(y == c))
+            n_own = int(round(purity * len(idx)))
+            inside = np.flatnonzero(rank_group == g)
+            outside = np.flatnonzero(rank_group != g)
+            for r, part in zip(inside, np.array_split(idx[:n_own], len(inside))):
+                owners[r].extend(part.tolist())
+            if len(outside):
+                for r, part in zip(outside, np.array_split(idx[n_own:], len(outside))):
+                    owners[r].extend(part.tolist())
+            else:
+                owners[inside[0]].extend(idx[n_own:].tolist())
+        shards = [Shard(np.sort(np.array(o, dtype=np.int64)), int(rank_group[r])) for r, o in enumerate(owners)]
+        return _ensure_nonempty(shards, rng)
+    raise DataError(f"data.partition={kind!r} is not one of iid, dirichlet, label_groups")
+
+
+def _ensure_nonempty(shards: List[Shard], rng) -> List[Shard]:
+    for s, shard in enumerate(shards):
+        if shard.indices.size == 0:
+            donor = max(range(len(shards)), key=lambda r: shards[r].indices.size)
+            if shards[donor].indices.size < 2:
+                raise DataError("too few training examples to give every rank a shard")
+            take = shards[donor].indices[-1:]
+            shards[donor] = Shard(shards[donor].indices[:-1], shards[donor].group)
+            shards[s] = Shard(take, shard.group)
+    return shards
+
+
+def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int) -> dict:
+    """The ``partition.json`` record."""
+    n_classes = int(np.max(y)) + 1
+    groups = None if shards[0].group is None else [int(s.group) for s in shards]
+    return {
+        "partition": kind,
+        "n_classes": n_classes,
+        "n_train": int(len(y)),
+        "n_test": int(n_test),
+        "groups": groups,
+        "shard_sizes": [int(s.indices.size) for s in shards],
+        "label_counts": [np.bincount(y[s.indices], minlength=n_classes).tolist() for s in shards],
+    }

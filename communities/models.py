@@ -1,0 +1,135 @@
+"""Built-in models (an MLP, the MNIST-1D 1-D CNN) and a user's ``module:function``.
+
+``flatten_`` moves every parameter and floating buffer into one contiguous flat
+tensor and makes the modules' tensors views of it: the flat tensor *is* the
+model, so an exchange sends it as one buffer with no packing, and a merge is one
+``lerp_`` over it.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+class ModelError(ValueError):
+    """A model that cannot be built or used; the message names the config key."""
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int, n_classes: int, hidden: Sequence[int] = (64,), dropout: float = 0.0,
+                 batchnorm: bool = False):
+        super().__init__()
+        layers, width = [nn.Flatten()], in_features
+        for h in hidden:
+            layers.append(nn.Linear(width, h))
+            if batchnorm:
+                layers.append(nn.BatchNorm1d(h))
+            layers.append(nn.ReLU())
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+            width = h
+        layers.append(nn.Linear(width, n_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNN1D(nn.Module):
+    """The MNIST-1D paper's ConvBase: three stride-2 convolutions and a linear head (~94% centrally)."""
+
+    def __init__(self, length: int, n_classes: int, channels: int = 25, batchnorm: bool = False):
+        super().__init__()
+
+        def block(cin, k):
+            mods = [nn.Conv1d(cin, channels, k, stride=2, padding=1)]
+            if batchnorm:
+                mods.append(nn.BatchNorm1d(channels))
+            mods.append(nn.ReLU())
+            return mods
+
+        self.features = nn.Sequential(*block(1, 5), *block(channels, 3), *block(channels, 3))
+        with torch.no_grad():
+            out = self.features(torch.zeros(1, 1, length)).numel()
+        self.head = nn.Linear(out, n_classes)
+
+    def forward(self, x):
+        h = self.features(x.view(x.shape[0], 1, -1))
+        return self.head(h.flatten(1))
+
+
+def build(cfg, input_shape: Tuple[int, ...], n_classes: int) -> nn.Module:
+    """The model named by ``cfg`` (a ModelConfig)."""
+    features = 1
+    for s in input_shape:
+        features *= int(s)
+    if cfg.name == "mlp":
+        return MLP(features, n_classes, cfg.hidden, cfg.dropout, cfg.batchnorm)
+    if cfg.name == "cnn1d":
+        return CNN1D(features, n_classes, cfg.channels, cfg.batchnorm)
+    mod_name, _, fn_name = cfg.name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ModelError(f"model.name={cfg.name!r}: cannot import {fn_name!r} from {mod_name!r} ({exc})") from None
+    model = fn(input_shape=input_shape, n_classes=n_classes)
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model.name={cfg.name!r} must return a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def check_output(model: nn.Module, sample: torch.Tensor, n_classes: int, name: str) -> None:
+    """One forward pass on a small batch: the logits must be (batch, n_classes)."""
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(sample)
+    model.train(was)
+    if out.ndim != 2 or out.shape != (sample.shape[0], n_classes):
+        raise ModelError(
+            f"model.name={name!r} returns shape {tuple(out.shape)} for a batch of {sample.shape[0]}; "
+            f"expected ({sample.shape[0]}, {n_classes})"
+        )
+
+
+def _merged_tensors(model: nn.Module):
+    """Parameters first, then floating buffers (BatchNorm running stats), in module order."""
+    params = [p for p in model.parameters()]
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    return params, buffers
+
+
+def flatten_(model: nn.Module) -> Tuple[torch.Tensor, int]:
+    """Re-home parameters and floating buffers into one flat tensor; returns (flat, n_params).
+
+    ``flat[:n_params]`` are the trainable parameters (what signatures sketch);
+    ``flat[n_params:]`` are the floating buffers (merged alongside).
+    """
+    params, buffers = _merged_tensors(model)
+    tensors = params + buffers
+    if not tensors:
+        raise ModelError("the model has no parameters")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ModelError(f"all parameters and floating buffers must share one dtype, got {sorted(map(str, dtypes))}")
+    device = tensors[0].device
+    total = sum(t.numel() for t in tensors)
+    flat = torch.empty(total, dtype=tensors[0].dtype, device=device)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        flat[offset: offset + n].copy_(t.detach().reshape(-1))
+        t.data = flat[offset: offset + n].view_as(t)
+        offset += n
+    n_params = sum(p.numel() for p in params)
+    return flat, n_params
+
+
+def shape_signature(model: nn.Module) -> str:
+    """Names, shapes and dtypes of what is merged: ranks compare a hash of this at start-up."""
+    params, buffers = _merged_tensors(model)
+    names = [n for n, _ in model.named_parameters()] + [n for n, b in model.named_buffers() if b.is_floating_point()]
+    return ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in zip(names, params + buffers))

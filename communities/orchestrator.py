@@ -1,0 +1,487 @@
+"""The per-rank loop: train a unit, exchange, sign and cluster, check consensus.
+
+Every rank runs ``run``. Decisions that must agree (exchange lists, communities,
+the stop) are computed by every rank from identical inputs; a running digest of
+them is allgathered every round to prove it. Rank 0 alone writes the run
+directory; the other ranks' metrics and merge records reach it as numeric
+buffers gathered at signature rounds.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from . import clustering, data, merge, models, protocol, schedule, signature, strategies, train
+from .comm import Stopwatch, World
+from .config import Config, ConfigError
+from .results import RunWriter, atomic_write_bytes
+
+METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
+MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes")
+RULE_CODES = {r: k for k, r in enumerate(merge.RULES)}
+
+EXIT_CONFIG = 2  # bad config, data or run directory: nothing trained
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def collective_check(world: World, fn, root: int = 0):
+    """Run ``fn`` on ``root``; if it raises a user error, every rank raises it (no rank trains)."""
+    msg, out = "", None
+    if world.rank == root:
+        try:
+            out = fn()
+        except (ConfigError, data.DataError, models.ModelError, OSError, ValueError) as exc:
+            msg = f"{type(exc).__name__}\0{exc}"
+    msg = world.bcast_text(msg, root)
+    if msg:
+        kind, text = msg.split("\0", 1)
+        raise ConfigError(text)
+    return out
+
+
+def select_device(cfg: Config, world: World) -> torch.device:
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if cfg.device == "cuda":
+            raise ConfigError("device='cuda' but torch sees no CUDA device on this node")
+        return torch.device("cpu")
+    return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+
+
+@dataclass
+class RankState:
+    """What one rank carries through virtual time."""
+
+    t: int = 0
+    samples: int = 0
+    recent_loss: float = float("nan")
+    test_acc: float = float("nan")
+    test_loss: float = float("nan")
+    metric_rows: List[list] = field(default_factory=list)
+    merge_rows: List[list] = field(default_factory=list)
+    update_norms: List[float] = field(default_factory=list)
+    rounds: int = 0
+    calm_rounds: int = 0
+    consensus_t: Optional[int] = None
+    communities_per_round: List[int] = field(default_factory=list)
+    first_ari: Optional[float] = None
+    last_dispersion: float = float("nan")
+
+
+class Engine:
+    """One rank's engine. Build with ``Engine(cfg, world, ...)``, then ``run()``."""
+
+    def __init__(self, cfg: Config, world: World, run_dir: Path, overwrite: bool = False,
+                 argv: Optional[List[str]] = None, progress: bool = True):
+        self.cfg, self.world, self.argv = cfg, world, argv or sys.argv
+        self.rank, self.n = world.rank, world.size
+        self.show_progress = progress and self.rank == 0
+        collective_check(world, lambda: cfg.check_world(self.n))
+        torch.set_num_threads(cfg.threads)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        self.device = select_device(cfg, world)
+        self.watch = Stopwatch()
+        self.state = RankState()
+        self.writer: Optional[RunWriter] = None
+        self.run_dir = Path(run_dir)
+        self._overwrite = overwrite
+        self._setup_data()
+        self._setup_model()
+        self._setup_output()
+        self.strategy = strategies.make(cfg, self.n)
+        self.clock = protocol.MergeClock(self.n, cfg.seed, cfg.merge.lam) if self.strategy.pairwise else None
+        self._digest = b""
+        self._pending = None  # overlapped signature allgather
+        self._merges_logged = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
+        ds = data.load(cfg.data, cfg.seed)
+        shards = data.partition(ds.y_train, self.n, cfg.data.partition, cfg.seed, cfg.data.alpha, cfg.data.groups,
+                                cfg.data.purity)
+        self.dataset, self.shards = ds, shards
+        self.shard = shards[self.rank]
+        idx = torch.as_tensor(self.shard.indices)
+        self.x = torch.as_tensor(ds.x_train)[idx].to(self.device)
+        self.y = torch.as_tensor(ds.y_train)[idx].to(self.device)
+        self.x_test = torch.as_tensor(ds.x_test).to(self.device)
+        self.y_test = torch.as_tensor(ds.y_test).to(self.device)
+
+    def _setup_model(self) -> None:
+        cfg = self.cfg
+        init_seed = cfg.seed if cfg.model.init == "shared" else cfg.seed * 7919 + 1 + self.rank
+        torch.manual_seed(init_seed)
+        model = models.build(cfg.model, self.dataset.input_shape, self.dataset.n_classes).to(self.device)
+        models.check_output(model, self.x_test[:4], self.dataset.n_classes, cfg.model.name)
+        flat, n_params = models.flatten_(model)
+        shapes = models.shape_signature(model)
+        self.world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
+                         f"model parameter shapes and dtypes (this rank: {len(flat)} values)")
+        if cfg.model.init == "shared":
+            self.world.bcast_(flat, root=0)
+        torch.manual_seed(cfg.seed * 104729 + self.rank)  # dropout and other stochastic layers
+        self.model, self.flat, self.n_params = model, flat, n_params
+        self.recv = torch.empty_like(flat)
+        self.opt = train.make_optimizer(cfg.train, model.parameters())
+        sk = signature.make_sketch(cfg.signature.kind, n_params, cfg.signature.dim, cfg.seed, self.device, flat.dtype)
+        ref = sk(flat[:n_params]).numpy() if self.rank == 0 else None
+        ref = self.world.bcast_array(ref, (cfg.signature.dim,), np.float64)
+        self.signer = signature.Signer(sk, ref)
+        self.outer = None
+        if cfg.merge.outer.enabled:
+            o = cfg.merge.outer
+            self.outer = merge.OuterOptimizer(flat.numel(), o.lr, o.momentum, o.nesterov, self.device, flat.dtype)
+
+    def _setup_output(self) -> None:
+        cfg = self.cfg
+
+        def open_writer():
+            w = RunWriter(self.run_dir, overwrite=self._overwrite)
+            w.write_text("config.yaml", cfg.to_yaml())
+            w.write_json("partition.json", data.describe(self.shards, self.dataset.y_train, cfg.data.partition,
+                                                        len(self.dataset.y_test)))
+            return w
+
+        self.writer = collective_check(self.world, open_writer)
+        hosts = self.world.hostnames()
+        if self.rank == 0:
+            import mpi4py
+            import scipy
+            from . import __version__
+
+            self.meta = {
+                "package_version": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                "numpy": np.__version__, "scipy": scipy.__version__, "mpi4py": mpi4py.__version__,
+                "mpi_library": World.library_version(), "world_size": self.n, "hosts": sorted(set(hosts)),
+                "device": str(self.device), "strategy": cfg.strategy, "n_params": int(self.flat.numel()),
+                "command": list(self.argv), "start_time": _now(), "end_time": None, "status": "running",
+            }
+            self.writer.write_json("meta.json", self.meta)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> dict:
+        cfg, st = self.cfg, self.state
+        self._wall0 = time.perf_counter()
+        bar = self._progress_bar()
+        try:
+            for t in range(1, cfg.train.budget + 1):
+                st.t = t
+                self._train(t)
+                if self.clock is not None:
+                    initiators = self.clock.fire(t)
+                    plan = self.strategy.exchanges(t, initiators)
+                    self._digest = protocol.digest(np.frombuffer(self._digest, dtype=np.uint8),
+                                                   np.asarray(plan, dtype=np.int64).reshape(-1, 2))
+                    for partner, (i, j) in protocol.my_exchanges(plan, self.rank):
+                        self._exchange(t, partner, i)
+                stop = False
+                if t % cfg.signature.every == 0:
+                    stop = self._signature_round(t)
+                self._maybe_eval_consensus(t)
+                self._progress(bar, t)
+                if stop:
+                    break
+            return self._finish()
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _train(self, t: int) -> None:
+        cfg, st = self.cfg, self.state
+        with self.watch("train"):
+            res = train.train_unit(self.model, self.opt, self.x, self.y, cfg.train, cfg.seed, self.rank, t)
+        st.samples += res.samples
+        st.recent_loss = res.loss
+        test_acc = test_loss = float("nan")
+        if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
+            with self.watch("eval"):
+                test_acc, test_loss = train.evaluate(self.model, self.x_test, self.y_test)
+            st.test_acc, st.test_loss = test_acc, test_loss
+        st.metric_rows.append([t, res.loss, res.accuracy, test_acc, test_loss, st.samples, self.world.bytes_sent])
+
+    def _exchange(self, t: int, partner: int, initiator: int) -> None:
+        """Swap flat weights with ``partner`` and apply the merge rule on both sides."""
+        cfg, st = self.cfg, self.state
+        mc = cfg.merge
+        has_state = float(bool(self.opt.state)) if mc.optimizer_state == "average" else 0.0
+        meta = np.array([st.samples, st.recent_loss, float(self.flat.numel()), has_state], dtype=np.float64)
+        sent0 = self.world.bytes_sent
+        with self.watch("idle"):  # the partner may still be training: this is where we wait for it
+            other = self.world.sendrecv_array(meta, partner, tag=1)
+        if int(other[2]) != self.flat.numel():
+            raise RuntimeError(f"rank {self.rank} holds {self.flat.numel()} weights but partner rank {partner} "
+                               f"holds {int(other[2])}: the models differ")
+        with self.watch("exchange"):
+            self.world.sendrecv(self.flat, self.recv, partner, tag=2)
+            a = merge.coefficient(mc.rule, merge.Side(meta[0], meta[1]), merge.Side(other[0], other[1]),
+                                  mc.alpha, t, mc.ema)
+            distance = float(torch.dist(self.flat, self.recv))
+            before = self.flat.clone() if self.outer is not None else None
+            merge.interpolate_(self.flat, self.recv, a)
+            if self.outer is not None:
+                self.outer.step_(before, self.flat)
+                update = float(torch.dist(self.flat, before))
+            else:
+                update = a * distance
+            self._merge_optimizer_state(partner, a, has_state > 0 and other[3] > 0)
+        st.update_norms.append(update)
+        st.merge_rows.append([t, self.rank, partner, initiator, a, update, distance, self.world.bytes_sent - sent0])
+
+    def _merge_optimizer_state(self, partner: int, a: float, both_have_state: bool) -> None:
+        mode = self.cfg.merge.optimizer_state
+        if mode == "reset":
+            self.opt.state.clear()
+        elif mode == "average" and both_have_state:
+            tensors = [v for p in self.model.parameters() for k, v in sorted(self.opt.state[p].items())
+                       if torch.is_tensor(v) and v.is_floating_point() and v.numel() == p.numel()]
+            if not tensors:
+                return
+            flat = torch.cat([v.reshape(-1) for v in tensors])
+            theirs = torch.empty_like(flat)
+            self.world.sendrecv(flat, theirs, partner, tag=3)
+            merge.interpolate_(flat, theirs, a)
+            offset = 0
+            for v in tensors:
+                v.copy_(flat[offset: offset + v.numel()].view_as(v))
+                offset += v.numel()
+
+    # ------------------------------------------------------------------ signature rounds
+
+    def _signature_round(self, t: int) -> bool:
+        """Allgather signatures, cluster, update the law, log the round; returns the stop decision."""
+        cfg, st = self.cfg, self.state
+        with self.watch("signature"):
+            sig = self.signer(self.flat[: self.n_params])
+        with self.watch("idle"):
+            if cfg.signature.overlap:
+                previous = self._pending
+                self._pending = self.world.iallgather(sig)
+                if previous is None:
+                    self._flush_logs()
+                    return False
+                previous[0].Wait()
+                S = previous[1]
+            else:
+                S = self.world.allgather(sig)
+        with self.watch("signature"):
+            cc = cfg.clustering
+            k = int(round(schedule.evaluate(cc.k, t))) if cc.cut == "maxclust" else None
+            com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
+                                              max_k=min(cc.max_communities, self.n - 1),
+                                              min_silhouette=cc.min_silhouette,
+                                              min_separation=cc.min_separation)
+            self.strategy.observe(com)
+            disp = signature.dispersion(S)
+            law = self.strategy.law(t)
+            self._digest = protocol.digest(np.frombuffer(self._digest, dtype=np.uint8), com.labels, com.Z, S)
+        if cfg.comm.check_hashes:
+            with self.watch("idle"):
+                self.world.agree(self._digest, f"the exchange lists and communities up to t={t}")
+        st.communities_per_round.append(com.count)
+        st.last_dispersion = disp
+        ari = None
+        if self.shard.group is not None:
+            from sklearn.metrics import adjusted_rand_score
+
+            ari = float(adjusted_rand_score([s.group for s in self.shards], com.labels))
+            if st.first_ari is None:
+                st.first_ari = ari
+        # consensus: every rank decides identically from the same gathered signatures
+        if self.strategy.annealed(t) and disp < cfg.consensus.tol:
+            st.calm_rounds += 1
+        else:
+            st.calm_rounds = 0
+        reached = st.calm_rounds >= cfg.consensus.patience
+        if reached and st.consensus_t is None:
+            st.consensus_t = t
+        norms = st.update_norms
+        info = {
+            "round": st.rounds, "t": t, "n_communities": com.count,
+            "law": law.kind if law is not None else None, "k": k,
+            "p_cross": law.p_cross if law is not None and law.kind == "flat" else None,
+            "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
+            "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
+            "dispersion": disp, "ari": ari, "hash": self._digest.hex(),
+        }
+        self._flush_logs(info, S, com)
+        st.rounds += 1
+        return reached and cfg.consensus.stop
+
+    def _flush_logs(self, info: Optional[dict] = None, S=None, com=None) -> None:
+        """Gather metrics and merge rows to rank 0; it writes them (and the round) to disk."""
+        st = self.state
+        local_norm = np.array([sum(st.update_norms), len(st.update_norms)], dtype=np.float64)
+        st.update_norms = []
+        with self.watch("idle"):
+            metrics = self.world.gather_rows(np.array(st.metric_rows, dtype=np.float64).reshape(-1, len(METRIC_FIELDS)))
+            merges = self.world.gather_rows(np.array(st.merge_rows, dtype=np.float64).reshape(-1, len(MERGE_FIELDS)))
+            norms = self.world.gather_rows(local_norm.reshape(1, 2))
+        st.metric_rows, st.merge_rows = [], []
+        if self.rank != 0:
+            return
+        rows = []
+        for r, block in enumerate(metrics):
+            for m in block:
+                rows.append({"t": int(m[0]), "rank": r, "loss": _num(m[1]), "train_acc": _num(m[2]),
+                             "test_acc": _num(m[3]), "test_loss": _num(m[4]), "samples": int(m[5]),
+                             "bytes_sent": int(m[6])})
+        rows.sort(key=lambda d: (d["t"], d["rank"]))
+        self.writer.append_jsonl("metrics.jsonl", rows)
+        mrows = [{"t": int(m[0]), "i": int(m[1]), "j": int(m[2]), "initiator": int(m[3]), "a": float(m[4]),
+                  "update_norm": float(m[5]), "distance": float(m[6]), "bytes": int(m[7]),
+                  "rule": self.cfg.merge.rule, "event": "merge"} for block in merges for m in block]
+        mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
+        self.writer.append_jsonl("merges.jsonl", mrows)
+        self._merges_logged += sum(1 for m in mrows if m["i"] == m["initiator"])
+        if info is not None:
+            tot = np.sum(np.concatenate(norms), axis=0)
+            info["mean_update_norm"] = float(tot[0] / tot[1]) if tot[1] > 0 else None
+            self.writer.write_round(info["round"], S.astype(np.float32), com.Z, com.labels, info)
+
+    # ------------------------------------------------------------------ consensus model
+
+    def _consensus_flat(self) -> torch.Tensor:
+        mean = self.flat.clone()
+        self.world.allreduce_mean_(mean)
+        return mean
+
+    def _evaluate_flat(self, flat: torch.Tensor):
+        saved = self.flat.clone()
+        self.flat.copy_(flat)
+        try:
+            return train.evaluate(self.model, self.x_test, self.y_test)
+        finally:
+            self.flat.copy_(saved)
+
+    def _maybe_eval_consensus(self, t: int) -> None:
+        every = self.cfg.output.consensus_every or self.cfg.train.eval_every
+        if t % every:
+            return
+        with self.watch("eval"):
+            acc, loss = self._evaluate_flat(self._consensus_flat())
+        if self.rank == 0:
+            self.writer.append_jsonl("consensus.jsonl", [{"t": t, "test_acc": acc, "test_loss": loss}])
+
+    # ------------------------------------------------------------------ finish
+
+    def _finish(self) -> dict:
+        cfg, st = self.cfg, self.state
+        if not math.isfinite(st.test_acc) or st.metric_rows and math.isnan(st.metric_rows[-1][3]):
+            with self.watch("eval"):
+                st.test_acc, st.test_loss = train.evaluate(self.model, self.x_test, self.y_test)
+            if st.metric_rows:
+                st.metric_rows[-1][3:5] = [st.test_acc, st.test_loss]
+        self._flush_logs()
+        mean = self._consensus_flat()
+        with self.watch("eval"):
+            c_acc, c_loss = self._evaluate_flat(mean)
+        dist = float(torch.dist(self.flat, mean) / max(float(mean.norm()), 1e-12))
+        wall = time.perf_counter() - self._wall0
+        split = [self.watch.total[c] for c in Stopwatch.CATEGORIES]
+        row = np.array([[st.test_acc, dist, self.world.bytes_sent, wall, *split]], dtype=np.float64)
+        gathered = self.world.gather_rows(row)
+        if self.rank != 0:
+            return {}
+        g = np.concatenate(gathered)
+        accs = g[:, 0]
+        saved = self.flat.clone()
+        self.flat.copy_(mean)
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}, buf)
+        self.flat.copy_(saved)
+        atomic_write_bytes(self.run_dir / "consensus.pt", buf.getvalue())
+        summary = {
+            "name": cfg.name, "strategy": cfg.strategy, "world_size": self.n, "n_params": int(self.flat.numel()),
+            "units": st.t, "rounds": st.rounds,
+            "merges": self._merges_logged,
+            "consensus_test_acc": c_acc, "consensus_test_loss": c_loss,
+            "rank_test_acc": accs.tolist(), "best_rank_acc": float(accs.max()), "worst_rank_acc": float(accs.min()),
+            "mean_rank_acc": float(accs.mean()),
+            "communities_per_round": st.communities_per_round, "first_round_ari": st.first_ari,
+            "final_dispersion": st.last_dispersion if math.isfinite(st.last_dispersion) else None,
+            "consensus_reached_t": st.consensus_t, "consensus_distance": float(g[:, 1].mean()),
+            "bytes_sent_per_rank": [int(b) for b in g[:, 2]], "bytes_sent_mean": float(g[:, 2].mean()),
+            "wall_time": float(g[:, 3].max()),
+            "time_split": {c: float(g[:, 4 + k].mean()) for k, c in enumerate(Stopwatch.CATEGORIES)},
+        }
+        self.writer.write_json("summary.json", summary)
+        self.meta.update(end_time=_now(), status="complete")
+        self.writer.write_json("meta.json", self.meta)
+        self.writer.close()
+        return summary
+
+    # ------------------------------------------------------------------ progress
+
+    def _progress_bar(self):
+        if not self.show_progress or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.budget, desc=self.cfg.name, unit="unit", dynamic_ncols=True)
+
+    def _progress(self, bar, t: int) -> None:
+        if not self.show_progress:
+            return
+        st = self.state
+        c = st.communities_per_round[-1] if st.communities_per_round else "-"
+        info = f"communities={c} dispersion={st.last_dispersion:.3g} acc={st.test_acc:.3f} loss={st.recent_loss:.3f}"
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(info, refresh=False)
+        elif t % max(1, self.cfg.train.budget // 20) == 0 or t == 1:
+            print(f"[{self.cfg.name}] t={t}/{self.cfg.train.budget} {info}", flush=True)
+
+
+def _num(x: float) -> Optional[float]:
+    return None if not math.isfinite(x) else float(x)
+
+
+def print_summary(s: dict, run_dir: Path) -> None:
+    """The short end-of-run report rank 0 prints."""
+    from itertools import groupby
+
+    counts = ", ".join(f"{k}x{len(list(g))}" for k, g in groupby(s["communities_per_round"]))
+    ts = s["time_split"]
+    total = sum(ts.values()) or 1.0
+    split = " / ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)" for k, v in ts.items())
+    ari = s["first_round_ari"]
+    print(f"\n== {s['name']}: {s['strategy']} on {s['world_size']} ranks, {s['units']} units, {s['rounds']} rounds ==")
+    print(f"consensus test accuracy  {s['consensus_test_acc']:.4f}")
+    print(f"rank test accuracy       best {s['best_rank_acc']:.4f}  worst {s['worst_rank_acc']:.4f}  "
+          f"mean {s['mean_rank_acc']:.4f}")
+    print(f"communities per round    {counts or '-'}" + (f"   (first-round ARI {ari:.3f})" if ari is not None else ""))
+    disp = s["final_dispersion"]
+    print(f"final dispersion         {disp:.4g}" if disp is not None else "final dispersion         -",
+          f"  consensus reached at t={s['consensus_reached_t']}" if s["consensus_reached_t"] else "  (no consensus stop)")
+    print(f"bytes sent per rank      {s['bytes_sent_mean'] / 1e6:.2f} MB (mean), {s['merges']} merges")
+    print(f"wall time                {s['wall_time']:.1f}s: {split}")
+    print(f"results                  {run_dir}")
+
+
+def run(cfg: Config, world: World, overwrite: bool = False, argv=None, progress: bool = True) -> dict:
+    """Run one training job on this rank; rank 0 returns the summary."""
+    run_dir = Path(cfg.output.root) / cfg.name
+    engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress)
+    summary = engine.run()
+    if world.rank == 0:
+        print_summary(summary, run_dir)
+    return summary

@@ -1,0 +1,74 @@
+"""The partner law: who a rank merges with, given its community.
+
+Flat: ``P(j | i) ∝ p_intra`` inside i's community, ``p_cross(t)`` outside.
+Hierarchical: ``P(j | i) ∝ exp(-h_ij / T(t))`` with ``h_ij`` the cophenetic height
+(normalised by the tree's top) at which i and j join.
+Both exclude i itself and become uniform gossip as p_cross -> p_intra or T -> inf.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.cluster import hierarchy
+
+
+def flat_weights(labels: np.ndarray, i: int, p_intra: float, p_cross: float) -> np.ndarray:
+    """Unnormalised partner weights of rank i (zero on i)."""
+    labels = np.asarray(labels)
+    w = np.where(labels == labels[i], float(p_intra), float(p_cross))
+    w[i] = 0.0
+    return w
+
+
+def flat_probabilities(labels: np.ndarray, i: int, p_intra: float, p_cross: float) -> np.ndarray:
+    w = flat_weights(labels, i, p_intra, p_cross)
+    total = w.sum()
+    if total <= 0:  # i alone in its community and p_cross == 0: fall back to uniform
+        w = np.ones_like(w)
+        w[i] = 0.0
+        total = w.sum()
+    return w / total
+
+
+def cophenetic_heights(Z: np.ndarray) -> np.ndarray:
+    """Condensed cophenetic heights divided by the top merge height (so in [0, 1])."""
+    h = hierarchy.cophenet(Z)
+    top = float(Z[-1, 2]) if Z.size else 0.0
+    return h / top if top > 0 else np.zeros_like(h)
+
+
+def condensed_row(condensed: np.ndarray, n: int, i: int) -> np.ndarray:
+    """Row i of the square matrix behind a condensed distance vector (0 on the diagonal)."""
+    j = np.arange(n)
+    a, b = np.minimum(i, j), np.maximum(i, j)
+    idx = n * a - a * (a + 1) // 2 + (b - a - 1)
+    row = np.zeros(n, dtype=np.float64)
+    mask = j != i
+    row[mask] = condensed[idx[mask]]
+    return row
+
+
+def hierarchical_probabilities(heights: np.ndarray, n: int, i: int, temperature: float) -> np.ndarray:
+    h = condensed_row(heights, n, i)
+    logits = -h / float(temperature)
+    logits[i] = -np.inf
+    logits -= logits[np.isfinite(logits)].max()
+    w = np.exp(logits)
+    return w / w.sum()
+
+
+def uniform_probabilities(n: int, i: int) -> np.ndarray:
+    w = np.ones(n, dtype=np.float64)
+    w[i] = 0.0
+    return w / w.sum()
+
+
+def ring_partner(i: int, n: int, t: int) -> int:
+    """Ring neighbour, alternating right and left with t so information flows both ways."""
+    return (i + 1) % n if t % 2 == 0 else (i - 1) % n
+
+
+def draw(probabilities: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw; deterministic for a given generator state."""
+    cdf = np.cumsum(probabilities)
+    u = rng.random() * cdf[-1]
+    return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))

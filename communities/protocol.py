@@ -1,0 +1,84 @@
+"""The virtual-clock pairwise protocol.
+
+Every random decision comes from a generator keyed by ``(seed, purpose, t, i)``,
+so every rank computes every other rank's decisions and no negotiation messages
+are needed. At unit t the initiators are the ranks whose merge timer fires; each,
+in increasing rank order, draws a partner from the current law. The resulting
+ordered exchange list is identical on every rank. Each rank performs the
+exchanges it appears in, in list order, with blocking Sendrecv: since all ranks
+walk the same total order, the first pending exchange of the list can always
+proceed, so there is no cycle of waits and no deadlock.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, List, Sequence, Tuple
+
+import numpy as np
+
+# purposes: distinct streams for distinct decisions
+TIMER, PARTNER, SHUFFLE, INIT, HOSTILE = 1, 2, 3, 4, 5
+
+Exchange = Tuple[int, int]  # (initiator, partner)
+
+
+def rng(seed: int, purpose: int, t: int, i: int = 0) -> np.random.Generator:
+    """A fresh counter-keyed generator: the same key gives the same stream anywhere."""
+    return np.random.Generator(np.random.Philox(key=[int(seed), (int(purpose) << 48) | (int(t) << 20) | int(i)]))
+
+
+def merge_interval(seed: int, t: int, i: int, lam: float) -> int:
+    """K ~ 1 + Poisson(lam - 1): K >= 1 units until rank i's next merge, mean lam."""
+    return 1 + int(rng(seed, TIMER, t, i).poisson(max(lam - 1.0, 0.0)))
+
+
+class MergeClock:
+    """The merge timers of all N ranks, held identically by every rank."""
+
+    def __init__(self, n: int, seed: int, lam: float, start: int = 0):
+        self.n, self.seed, self.lam = int(n), int(seed), float(lam)
+        self.next_fire = np.array([start + merge_interval(seed, start, i, lam) for i in range(n)], dtype=np.int64)
+
+    def fire(self, t: int) -> np.ndarray:
+        """Ranks whose timer fires at t (increasing order); their timers are re-armed."""
+        due = np.flatnonzero(self.next_fire <= t)
+        for i in due:
+            self.next_fire[i] = t + merge_interval(self.seed, t, int(i), self.lam)
+        return due
+
+    def state(self) -> np.ndarray:
+        return self.next_fire.copy()
+
+    def load(self, next_fire: np.ndarray) -> None:
+        self.next_fire = np.asarray(next_fire, dtype=np.int64).copy()
+
+
+def exchange_list(
+    initiators: Sequence[int], t: int, seed: int, probabilities: Callable[[int], np.ndarray]
+) -> List[Exchange]:
+    """Ordered exchanges of unit t: each initiator (increasing rank) draws its partner."""
+    from .partners import draw
+
+    out: List[Exchange] = []
+    for i in sorted(int(x) for x in initiators):
+        p = probabilities(i)
+        j = draw(p, rng(seed, PARTNER, t, i))
+        if j != i:
+            out.append((i, j))
+    return out
+
+
+def my_exchanges(exchanges: Sequence[Exchange], me: int) -> List[Tuple[int, Exchange]]:
+    """(partner, exchange) for each exchange ``me`` takes part in, in list order."""
+    return [(j if i == me else i, (i, j)) for i, j in exchanges if me in (i, j)]
+
+
+def digest(*arrays) -> bytes:
+    """16-byte BLAKE2b of arrays' bytes: what ranks allgather to prove they agree."""
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        a = np.ascontiguousarray(np.asarray(a))
+        h.update(str(a.dtype).encode())
+        h.update(np.asarray(a.shape, dtype=np.int64).tobytes())
+        h.update(a.tobytes())
+    return h.digest()

@@ -1,0 +1,123 @@
+"""Random-projection signatures of a flat weight vector.
+
+A signature is ``S (w - w0)``: a seeded, fixed linear map of the drift from the
+shared initialisation to d dimensions. It is never a dense P x d matrix.
+
+``countsketch``: bucket and sign per parameter, laid out so the whole sketch is one
+GEMV over the flat buffer viewed as (rows, m): ``y = c @ W`` (a sign per row),
+then ``sig = scatter_add(bucket[col], r[col] * y[col])`` (a sign and a bucket per
+column). Parameter p = row * m + col gets sign ``c[row] * r[col]`` and bucket
+``bucket[col]``; distinct parameters get uncorrelated signs, so
+``E<Sx, Sy> = <x, y>`` as for a count-sketch. The cost is one read of the weights
+(memory bandwidth), the extra memory is O(P / m + m).
+
+``gaussian``: ``x @ G / sqrt(d)`` with G regenerated chunk by chunk from the seed,
+never stored; costs P x d random draws, so it is meant for small models.
+
+Linearity gives ``S(w - w0) = S w - S w0``: the sketch of w0 is computed once and
+the drift itself is never materialised.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+COLUMNS = 16384  # m: the width of the (rows, m) view used by the count-sketch
+
+
+def _generator(seed: int, stream: int, device="cpu") -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed((int(seed) * 1_000_003 + stream * 7919) % (2**63 - 1))
+    return g
+
+
+def _signs(n: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 2, (n,), generator=g, dtype=torch.int8).float().mul_(2).sub_(1)
+
+
+class CountSketch:
+    """Seeded count-sketch of a flat vector of ``n`` entries to ``dim`` buckets."""
+
+    def __init__(self, n: int, dim: int, seed: int, device="cpu", dtype=torch.float32, columns: int = COLUMNS):
+        if dim < 2:
+            raise ValueError(f"signature dim must be >= 2, got {dim}")
+        self.n, self.dim = int(n), int(dim)
+        self.m = int(min(columns, max(n, 1)))
+        self.rows = self.n // self.m
+        self.tail = self.n - self.rows * self.m
+        g = _generator(seed, 1)
+        self.row_sign = _signs(self.rows + 1, g).to(device=device, dtype=dtype)
+        self.col_sign = _signs(self.m, g).to(device=device, dtype=dtype)
+        self.bucket = torch.randint(0, self.dim, (self.m,), generator=g).to(device)
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        """Sketch of ``flat`` (length n): a float64 CPU vector of length dim."""
+        if flat.numel() != self.n:
+            raise ValueError(f"signature built for {self.n} entries, got {flat.numel()}")
+        flat = flat.detach()
+        y = torch.zeros(self.m, dtype=flat.dtype, device=flat.device)
+        if self.rows:
+            y += self.row_sign[: self.rows] @ flat[: self.rows * self.m].view(self.rows, self.m)
+        if self.tail:
+            y[: self.tail] += self.row_sign[self.rows] * flat[self.rows * self.m :]
+        y = (y * self.col_sign).double()
+        out = torch.zeros(self.dim, dtype=torch.float64, device=flat.device)
+        out.index_add_(0, self.bucket, y)
+        return out.cpu()
+
+
+class GaussianSketch:
+    """``x @ G / sqrt(d)`` with G (n x d) regenerated in chunks from the seed."""
+
+    def __init__(self, n: int, dim: int, seed: int, device="cpu", dtype=torch.float32, chunk: int = 4096):
+        if dim < 2:
+            raise ValueError(f"signature dim must be >= 2, got {dim}")
+        self.n, self.dim, self.seed, self.chunk = int(n), int(dim), int(seed), int(chunk)
+        self.device, self.dtype = device, dtype
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.numel() != self.n:
+            raise ValueError(f"signature built for {self.n} entries, got {flat.numel()}")
+        flat = flat.detach()
+        out = torch.zeros(self.dim, dtype=torch.float64, device=flat.device)
+        g = _generator(self.seed, 2)
+        for lo in range(0, self.n, self.chunk):
+            hi = min(self.n, lo + self.chunk)
+            G = torch.randn(hi - lo, self.dim, generator=g, dtype=self.dtype).to(flat.device)
+            out += (flat[lo:hi] @ G).double()
+        return (out / math.sqrt(self.dim)).cpu()
+
+
+def make_sketch(kind: str, n: int, dim: int, seed: int, device="cpu", dtype=torch.float32):
+    if kind == "countsketch":
+        return CountSketch(n, dim, seed, device, dtype)
+    if kind == "gaussian":
+        return GaussianSketch(n, dim, seed, device, dtype)
+    raise ValueError(f"unknown signature kind {kind!r}; expected countsketch or gaussian")
+
+
+class Signer:
+    """Signature of the drift ``w - w0`` by linearity: ``S w - S w0`` with ``S w0`` cached."""
+
+    def __init__(self, sketch, reference: np.ndarray):
+        self.sketch = sketch
+        self.reference = np.asarray(reference, dtype=np.float64)
+
+    def __call__(self, flat: torch.Tensor) -> np.ndarray:
+        return (self.sketch(flat).numpy() - self.reference).astype(np.float32)
+
+
+def dispersion(signatures: np.ndarray) -> float:
+    """Mean squared distance to the centroid, relative to the mean squared norm.
+
+    0 means every rank holds the same drift (consensus); about 1 means the drifts
+    are unrelated. Scale-free, so one ``tol`` fits any model.
+    """
+    S = np.asarray(signatures, dtype=np.float64)
+    centroid = S.mean(axis=0)
+    spread = np.mean(np.sum((S - centroid) ** 2, axis=1))
+    scale = np.mean(np.sum(S**2, axis=1))
+    return float(spread / scale) if scale > 0 else 0.0

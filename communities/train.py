@@ -1,0 +1,93 @@
+"""One local unit of training on a rank's shard, and evaluation.
+
+A unit is one epoch over the shard or a fixed number of steps. Shuffling uses a
+generator keyed by (seed, rank, t), so a unit's batches depend only on where it
+sits in virtual time: the same on a resumed run as on an uninterrupted one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import protocol
+
+
+def make_optimizer(cfg, params) -> torch.optim.Optimizer:
+    """SGD or AdamW from a TrainConfig."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                               weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    raise ValueError(f"train.optimizer={cfg.optimizer!r} is not one of sgd, adamw")
+
+
+@dataclass
+class UnitResult:
+    loss: float
+    accuracy: float
+    samples: int
+    steps: int
+
+
+def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Optional[int]):
+    """Index batches for unit t: one shuffled epoch, or ``steps`` batches drawn across epochs."""
+    g = protocol.rng(seed, protocol.SHUFFLE, t, rank)
+    if steps is None:
+        perm = g.permutation(n)
+        for lo in range(0, n, batch_size):
+            yield perm[lo: lo + batch_size]
+        return
+    out, perm, pos = 0, g.permutation(n), 0
+    while out < steps:
+        if pos >= n:
+            perm, pos = g.permutation(n), 0
+        yield perm[pos: pos + batch_size]
+        pos += batch_size
+        out += 1
+
+
+def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg, seed: int,
+               rank: int, t: int) -> UnitResult:
+    """Train one unit; returns mean loss and accuracy over the unit's batches."""
+    model.train()
+    steps = cfg.steps_per_unit if cfg.unit == "steps" else None
+    total_loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = torch.zeros((), dtype=torch.int64, device=x.device)
+    seen = n_steps = 0
+    for idx in batches(len(y), cfg.batch_size, seed, rank, t, steps):
+        if len(idx) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            continue  # BatchNorm cannot train on a batch of one
+        ix = torch.as_tensor(idx, device=x.device)
+        xb, yb = x[ix], y[ix]
+        out = model(xb)
+        loss = F.cross_entropy(out, yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total_loss += loss.detach().double() * len(idx)
+        correct += (out.detach().argmax(1) == yb).sum()
+        seen += len(idx)
+        n_steps += 1
+    seen_f = max(seen, 1)
+    return UnitResult(float(total_loss) / seen_f, float(correct) / seen_f, seen, n_steps)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> Tuple[float, float]:
+    """(accuracy, mean cross-entropy) on (x, y)."""
+    model.eval()
+    total_loss = 0.0
+    correct = 0
+    for lo in range(0, len(y), batch_size):
+        out = model(x[lo: lo + batch_size])
+        yb = y[lo: lo + batch_size]
+        total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
+    n = max(len(y), 1)
+    return correct / n, total_loss / n
