@@ -74,7 +74,7 @@ def cmd_run(args) -> int:
             err = str(exc)
     err = world.bcast_text(err)
     if err:
-        raise ConfigError(err)
+        raise orchestrator.collective(ConfigError(err))
     cfg = from_json(world.bcast_text(text))
     orchestrator.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress)
     return 0
@@ -105,6 +105,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return cmd_validate(args)
         return cmd_run(args)
     except user_errors as exc:
+        if _mpi_world_size() > 1 and not getattr(exc, "collective", False):
+            _abort_job()  # raised on some ranks only: the others would wait forever
         if getattr(args, "debug", False):
             traceback.print_exc()
         if not _is_mpi_worker():
@@ -115,6 +117,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BaseException:
         _abort_job()
         raise
+
+
+def _mpi_world_size() -> int:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return 1
+    return mpi.COMM_WORLD.Get_size()
 
 
 def _is_mpi_worker() -> bool:

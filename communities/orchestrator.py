@@ -25,13 +25,13 @@ import torch
 from . import clustering, data, merge, models, protocol, schedule, signature, strategies, train
 from .comm import Stopwatch, World
 from .config import Config, ConfigError
-from .results import RunWriter, atomic_write_bytes
+from .results import ResultsError, RunWriter, atomic_write_bytes
 
 METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
 MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes")
 RULE_CODES = {r: k for k, r in enumerate(merge.RULES)}
 
-EXIT_CONFIG = 2  # bad config, data or run directory: nothing trained
+USER_ERRORS = (ConfigError, data.DataError, models.ModelError, ResultsError, OSError)
 
 
 def _now() -> str:
@@ -39,18 +39,35 @@ def _now() -> str:
 
 
 def collective_check(world: World, fn, root: int = 0):
-    """Run ``fn`` on ``root``; if it raises a user error, every rank raises it (no rank trains)."""
+    """Run ``fn`` on ``root`` and share its outcome, so a failure there stops every rank.
+
+    A user error (bad config, data, model or run directory) is re-raised on every
+    rank as a ConfigError marked ``collective``: the CLI then exits 2 everywhere
+    with one message and no traceback. Any other failure aborts the job.
+    """
     msg, out = "", None
     if world.rank == root:
         try:
             out = fn()
-        except (ConfigError, data.DataError, models.ModelError, OSError, ValueError) as exc:
-            msg = f"{type(exc).__name__}\0{exc}"
+        except USER_ERRORS as exc:
+            msg = f"user\0{exc}"
+        except Exception as exc:
+            msg = f"bug\0{type(exc).__name__}: {exc}"
+            world.bcast_text(msg, root)
+            raise
     msg = world.bcast_text(msg, root)
     if msg:
         kind, text = msg.split("\0", 1)
-        raise ConfigError(text)
+        if kind == "bug":
+            raise RuntimeError(f"rank {root} failed during set-up: {text}")
+        raise collective(ConfigError(text))
     return out
+
+
+def collective(exc: Exception) -> Exception:
+    """Mark an error that every rank raises identically (safe to exit without MPI_Abort)."""
+    exc.collective = True
+    return exc
 
 
 def select_device(cfg: Config, world: World) -> torch.device:

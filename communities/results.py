@@ -182,6 +182,11 @@ def read_jsonl(path: Path) -> List[dict]:
 def read_npy(path: Path) -> np.ndarray:
     path = Path(path)
     try:
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
+        # np.load treats any non-.npy bytes as a pickle and says so; name the real problem.
+        if magic != b"\x93NUMPY":
+            raise ResultsError(f"{path}: damaged (not a .npy file)" if magic else f"{path}: damaged (empty file)")
         return np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise ResultsError(f"{path}: missing") from None

@@ -1,0 +1,34 @@
+# Two entry points on a fresh machine:
+#   make run    create .venv, install, run the 8-rank quickstart, write results/quickstart/ and its report
+#   make test   create .venv, install, run the test suite (what .ci/run calls)
+#
+# TORCH pins the build installed into the venv (the package itself accepts torch>=2.1).
+# EXTRAS picks optional parts; drop "mpich" to use a system MPI that mpi4py was built against.
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+EXTRAS ?= mpich,inspect,mnist1d,test
+NP     ?= 8
+CONFIG ?= configs/quickstart.yaml
+PY     := $(VENV)/bin/python
+BIN    := $(VENV)/bin
+
+.PHONY: install run test clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	OMP_NUM_THREADS=1 $(BIN)/mpiexec -n $(NP) $(BIN)/communities run $(CONFIG) --overwrite
+	MPLBACKEND=Agg $(BIN)/communities inspect results/$$($(BIN)/communities validate $(CONFIG) | sed -n 's/^name: //p')
+
+test: install
+	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,98 @@
+"""Datasets, partitions and models, without MPI."""
+import numpy as np
+import pytest
+import torch
+
+from communities import config, data, models
+
+
+@pytest.mark.parametrize("kind", ["iid", "dirichlet", "label_groups"])
+@pytest.mark.parametrize("world", [3, 8])
+def test_partitions_are_disjoint_covering_and_deterministic(kind, world):
+    y = np.random.default_rng(0).integers(0, 10, size=1000)
+    shards = data.partition(y, world, kind, seed=1, alpha=0.3, groups=3)
+    allidx = np.concatenate([s.indices for s in shards])
+    assert sorted(allidx.tolist()) == list(range(1000))
+    assert all(s.indices.size > 0 for s in shards)
+    again = data.partition(y, world, kind, seed=1, alpha=0.3, groups=3)
+    assert all(np.array_equal(a.indices, b.indices) for a, b in zip(shards, again))
+
+
+def test_label_groups_plant_disjoint_label_sets():
+    y = np.repeat(np.arange(10), 50)
+    shards = data.partition(y, 8, "label_groups", seed=0, groups=4, purity=1.0)
+    assert [s.group for s in shards] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for s in shards:
+        labels = set(np.unique(y[s.indices]).tolist())
+        assert labels == {c for c in range(10) if c % 4 == s.group}
+
+
+def test_label_groups_purity_mixes_in_other_labels():
+    y = np.repeat(np.arange(4), 200)
+    shards = data.partition(y, 4, "label_groups", seed=0, groups=2, purity=0.8)
+    own = [np.mean(y[s.indices] % 2 == s.group) for s in shards]
+    assert all(0.75 < o < 0.85 for o in own)
+
+
+def test_dirichlet_small_alpha_is_skewed():
+    y = np.repeat(np.arange(10), 100)
+    skew = lambda a: np.mean([np.max(np.bincount(y[s.indices], minlength=10)) / max(s.indices.size, 1)
+                              for s in data.partition(y, 8, "dirichlet", seed=0, alpha=a)])
+    assert skew(0.05) > skew(100.0) + 0.3
+
+
+def test_builtin_datasets_load():
+    cfg = config.DataConfig(dataset="digits")
+    ds = data.load(cfg, 0)
+    assert ds.x_train.shape[1] == 64 and ds.n_classes == 10 and len(ds.x_test) > 400
+    ds = data.load(config.DataConfig(dataset="synthetic"), 0)
+    assert ds.x_train.dtype == np.float32 and ds.n_classes == 8
+
+
+def test_mnist1d_loads_locally():
+    pytest.importorskip("mnist1d")
+    ds = data.load(config.DataConfig(dataset="mnist1d"), 0)
+    assert ds.x_train.shape == (4000, 40) and ds.x_test.shape == (1000, 40)
+
+
+def bad_shapes():
+    return np.zeros((10, 3)), np.zeros(9), np.zeros((5, 3)), np.zeros(5)
+
+
+def good_user_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(40, 5)), rng.integers(0, 3, 40), rng.normal(size=(10, 5)), rng.integers(0, 3, 10)
+
+
+def test_user_dataset_errors_name_the_function():
+    with pytest.raises(data.DataError, match="lengths differ"):
+        data.load(config.DataConfig(dataset="tests.test_data_models:bad_shapes"), 0)
+    with pytest.raises(data.DataError, match="cannot import"):
+        data.load(config.DataConfig(dataset="tests.test_data_models:nothing_here"), 0)
+    ds = data.load(config.DataConfig(dataset="tests.test_data_models:good_user_data"), 0)
+    assert ds.n_classes == 3
+
+
+def test_flat_buffer_is_the_model():
+    m = models.MLP(8, 3, [5], batchnorm=True)
+    flat, n_params = models.flatten_(m)
+    n_bn = sum(b.numel() for b in m.buffers() if b.is_floating_point())
+    assert n_params == sum(p.numel() for p in m.parameters()) and flat.numel() == n_params + n_bn
+    flat.zero_()
+    assert all(float(p.detach().abs().sum()) == 0 for p in m.parameters())
+    assert all(float(b.abs().sum()) == 0 for b in m.buffers() if b.is_floating_point())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert float(flat.abs().sum()) > 0  # the optimizer steps the flat buffer
+
+
+def test_cnn1d_matches_mnist1d_paper_layout():
+    m = models.CNN1D(40, 10, channels=25)
+    assert m.head.in_features == 125
+    assert m(torch.randn(3, 40)).shape == (3, 10)
+
+
+def test_user_model_output_is_checked():
+    with pytest.raises(models.ModelError, match="returns shape"):
+        models.check_output(torch.nn.Linear(4, 2), torch.randn(3, 4), 5, "x:y")

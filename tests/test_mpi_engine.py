@@ -1,0 +1,146 @@
+"""The engine under a real mpiexec: results layout and the invariants of DESIGN.md.
+
+Every run has a timeout that kills the whole process group, so a hang fails the
+test instead of stalling CI.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from communities import config, data, models
+from communities.results import open_run
+
+from .conftest import run_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def consensus_weights(run_dir):
+    return torch.load(run_dir / "consensus.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_run_writes_the_results_layout(tmp_path, tiny_config, n):
+    run_engine(n, tiny_config, tmp_path)
+    run = open_run(tmp_path / "tiny")
+    assert run.complete and run.world_size == n
+    for f in ("config.yaml", "meta.json", "partition.json", "metrics.jsonl", "merges.jsonl", "consensus.jsonl",
+              "consensus.pt", "summary.json"):
+        assert (run.path / f).stat().st_size > 0, f
+    s = run.summary
+    assert s["units"] == 40 and s["rounds"] == 8 and len(run.round_paths) == 8
+    metrics = run.metrics()
+    assert len(metrics) == 40 * n and {m["rank"] for m in metrics} == set(range(n))
+    merges = run.merges()
+    # both sides of every exchange are logged, with one coefficient
+    sides = {}
+    for m in merges:
+        sides.setdefault((m["t"], min(m["i"], m["j"]), max(m["i"], m["j"])), []).append(m)
+    assert merges and all(len(v) % 2 == 0 for v in sides.values())
+    assert s["merges"] == sum(1 for m in merges if m["i"] == m["initiator"])
+    r0 = run.round(0)
+    assert r0.signatures.shape == (n, 64) and r0.Z.shape == (n - 1, 4) and r0.labels.shape == (n,)
+    assert len(r0.info["hash"]) == 32
+    assert s["bytes_sent_mean"] > 0 and set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval"}
+
+
+def test_same_seed_gives_bitwise_identical_consensus(tmp_path, tiny_config):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_engine(4, tiny_config, a)
+    run_engine(4, tiny_config, b)
+    wa, wb = consensus_weights(a / "tiny"), consensus_weights(b / "tiny")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    c = tmp_path / "c"
+    run_engine(4, tiny_config, c, "seed=4")
+    wc = consensus_weights(c / "tiny")
+    assert not all(torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_lr0_gossip_reaches_the_initial_mean(tmp_path, tiny_config):
+    """With lr = 0 and different initial weights, symmetric merges drive all ranks to the initial mean."""
+    n = 4
+    run_engine(n, tiny_config, tmp_path, "train.lr=0", "train.momentum=0", "model.init=per_rank",
+               "strategy=gossip", "train.budget=60", "merge.lam=1")
+    cfg = config.load(tiny_config, ["model.init=per_rank"])
+    ds = data.load(cfg.data, cfg.seed)
+    inits = []
+    for rank in range(n):
+        torch.manual_seed(cfg.seed * 7919 + 1 + rank)
+        flat, _ = models.flatten_(models.build(cfg.model, ds.input_shape, ds.n_classes))
+        inits.append(flat.double())
+    mean0 = torch.stack(inits).mean(0)
+    spread0 = float(torch.stack([torch.dist(w, mean0) for w in inits]).mean() / mean0.norm())
+    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    w = consensus_weights(tmp_path / "tiny")
+    final_mean = torch.cat([w[k].reshape(-1) for k, _ in
+                            models.build(cfg.model, ds.input_shape, ds.n_classes).named_parameters()]).double()
+    assert torch.allclose(final_mean, mean0[: final_mean.numel()], atol=1e-5)  # the mean is conserved
+    assert s["consensus_distance"] < 1e-3 * spread0  # and every rank is at it
+
+
+def test_planted_groups_are_recovered_by_the_first_round(tmp_path, tiny_config):
+    run_engine(4, tiny_config, tmp_path)
+    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert s["first_round_ari"] >= 0.9
+
+
+@pytest.mark.parametrize("strategy", ["gossip", "ring", "isolated"])
+def test_other_strategies_share_the_layout(tmp_path, tiny_config, strategy):
+    run_engine(4, tiny_config, tmp_path, f"strategy={strategy}", "train.budget=20")
+    run = open_run(tmp_path / "tiny")
+    assert run.summary["strategy"] == strategy and len(run.round_paths) == 4
+    if strategy == "isolated":
+        assert run.summary["merges"] == 0 and not run.merges()
+    else:
+        assert run.summary["merges"] > 0
+    if strategy == "ring":
+        assert all((m["j"] - m["i"]) % 4 in (1, 3) for m in run.merges())
+
+
+@pytest.mark.parametrize("extra", [["merge.rule=clock", "merge.optimizer_state=average"],
+                                   ["merge.rule=swap", "merge.optimizer_state=reset"],
+                                   ["merge.rule=ema", "merge.outer.enabled=true", "train.optimizer=adamw",
+                                    "train.lr=0.01", "model.batchnorm=true"],
+                                   ["partners.law=hierarchical", "clustering.cut=maxclust",
+                                    "clustering.k={start: 2, end: 1, horizon: 30}"],
+                                   ["signature.overlap=true", "signature.kind=gaussian"]])
+def test_merge_and_law_variants_run(tmp_path, tiny_config, extra):
+    run_engine(4, tiny_config, tmp_path, "train.budget=30", *extra)
+    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert s["merges"] > 0 and np.isfinite(s["consensus_test_acc"])
+    assert s["consensus_test_acc"] > 0.4
+
+
+def test_config_error_exits_2_once_before_training(tmp_path, tiny_config):
+    res = run_engine(4, tiny_config, tmp_path, "merge.lam=0.2", check=False)
+    assert res.returncode == 2
+    assert res.stderr.count("merge.lam") == 1 and "Traceback" not in res.stderr
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_existing_run_dir_is_refused_without_overwrite(tmp_path, tiny_config):
+    run_engine(2, tiny_config, tmp_path, "train.budget=5")
+    before = (tmp_path / "tiny" / "summary.json").read_bytes()
+    res = run_engine(2, tiny_config, tmp_path, "train.budget=5", check=False)
+    assert res.returncode == 2 and "--overwrite" in res.stderr
+    assert (tmp_path / "tiny" / "summary.json").read_bytes() == before
+    run_engine(2, tiny_config, tmp_path, "train.budget=5", extra=["--overwrite"])
+
+
+def test_exception_on_one_rank_aborts_the_job(tmp_path, tiny_config):
+    res = run_engine(4, tiny_config, tmp_path, "data.dataset=tests.user_fns:fails_on_rank_1",
+                     "data.partition=iid", check=False, timeout=120)
+    assert res.returncode != 0
+    assert "injected failure on rank 1" in res.stderr and "rank 1 failed" in res.stderr
+
+
+def test_quickstart_meets_its_promises(tmp_path):
+    """The README's quickstart claims: consensus >= 0.95, first-round ARI >= 0.9, one community, dispersion < tol."""
+    run_engine(8, "configs/quickstart.yaml", tmp_path, timeout=600)
+    s = json.loads((tmp_path / "quickstart" / "summary.json").read_text())
+    assert s["consensus_test_acc"] >= 0.95
+    assert s["first_round_ari"] >= 0.9
+    assert s["communities_per_round"][-1] == 1
+    assert s["final_dispersion"] < config.load("configs/quickstart.yaml").consensus.tol
