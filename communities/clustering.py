@@ -136,6 +136,9 @@ def find_communities(
     ``min_separation`` (auto only) is a cosine distance, or for the euclidean
     metric a distance relative to the signatures' RMS norm.
     """
+    if np.asarray(signatures).shape[0] == 1:  # a world of one: one community, an empty tree
+        return Communities(Z=np.zeros((0, 4)), labels=np.zeros(1, dtype=np.int64), cut_height=0.0,
+                           distances=np.zeros(0))
     Z, d = build_tree(signatures, method, metric)
     scale = 1.0
     if metric == "euclidean":

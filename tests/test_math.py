@@ -262,3 +262,8 @@ def test_outer_optimizer_identity_at_lr1_mu0():
     target = merged.clone()
     merge.OuterOptimizer(10, 1.0, 0.0, False).step_(before, merged)
     assert torch.allclose(merged, target)
+
+
+def test_a_world_of_one_is_one_community():
+    com = clustering.find_communities(np.ones((1, 8)), cut="auto")
+    assert com.count == 1 and com.Z.shape == (0, 4)
