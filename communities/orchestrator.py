@@ -24,6 +24,7 @@ import torch
 
 from . import clustering, data, merge, models, protocol, schedule, signature, strategies, train
 from .comm import Stopwatch, World
+from .exchange import swap_and_merge
 from .config import Config, ConfigError
 from .results import ResultsError, RunWriter, atomic_write_bytes
 
@@ -248,12 +249,10 @@ class Engine:
             raise RuntimeError(f"rank {self.rank} holds {self.flat.numel()} weights but partner rank {partner} "
                                f"holds {int(other[2])}: the models differ")
         with self.watch("exchange"):
-            self.world.sendrecv(self.flat, self.recv, partner, tag=2)
             a = merge.coefficient(mc.rule, merge.Side(meta[0], meta[1]), merge.Side(other[0], other[1]),
                                   mc.alpha, t, mc.ema)
-            distance = float(torch.dist(self.flat, self.recv))
             before = self.flat.clone() if self.outer is not None else None
-            merge.interpolate_(self.flat, self.recv, a)
+            distance = swap_and_merge(self.world, self.flat, self.recv, partner, a)
             if self.outer is not None:
                 self.outer.step_(before, self.flat)
                 update = float(torch.dist(self.flat, before))
