@@ -161,22 +161,41 @@ def read_json(path: Path) -> Any:
 
 
 def read_jsonl(path: Path) -> List[dict]:
-    """All complete lines; a torn last line (a crash mid-append) is dropped."""
+    """All complete lines. Only an unterminated last line can be torn (a crash mid-append): it is dropped."""
     path = Path(path)
     if not path.exists():
         return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    torn = lines.pop() if lines else ""  # "" when the file ends with a newline
     rows = []
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            if n >= len(lines) - 1:  # the torn tail of an interrupted append
-                break
             raise ResultsError(f"{path}: line {n} is damaged") from None
+    if torn.strip():
+        try:
+            rows.append(json.loads(torn))
+        except json.JSONDecodeError:
+            pass
     return rows
+
+
+def repair_jsonl(path: Path) -> None:
+    """Cut an unterminated (torn) last line, so that appends after a crash start on a fresh line."""
+    path = Path(path)
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as fh:
+            fh.truncate(keep)
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def read_npy(path: Path) -> np.ndarray:
@@ -281,6 +300,7 @@ def open_run(path: Path) -> Run:
     summary = read_json(path / "summary.json") if (path / "summary.json").exists() else None
     rounds_dir = path / "rounds"
     round_paths = sorted(
-        p for p in rounds_dir.glob("round_*") if p.is_dir() and all((p / f).exists() for f in ROUND_FILES)
+        (p for p in rounds_dir.glob("round_*") if p.is_dir() and all((p / f).exists() for f in ROUND_FILES)),
+        key=lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1,
     ) if rounds_dir.exists() else []
     return Run(path=path, config=config, meta=meta, partition=partition, summary=summary, round_paths=round_paths)
