@@ -1,7 +1,9 @@
 """Command line: ``communities run | validate | inspect``.
 
 ``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
-process. Errors a user can fix (config, data, run directory) print one line
+process. Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by
+SIGUSR1/SIGTERM or a ``results/<name>/STOP`` file after writing a checkpoint
+(continue with ``--resume``), anything else a failure. Errors a user can fix (config, data, run directory) print one line
 from rank 0 and exit 2 on every rank, before any rank trains; ``--debug``
 shows the traceback. Any other exception on any rank prints that rank's
 traceback and aborts the whole MPI job, so nothing hangs.
@@ -9,6 +11,7 @@ traceback and aborts the whole MPI job, so nothing hangs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from typing import List, Optional
@@ -23,6 +26,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing results/<name>/")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("--no-progress", action="store_true", help="no progress output on rank 0")
+    p.add_argument("--resume", action="store_true",
+                   help="continue results/<name>/ from its last complete checkpoint (automatic when "
+                        "SLURM_RESTART_COUNT > 0)")
 
 
 def _validate_parser(sub) -> None:
@@ -76,7 +82,15 @@ def cmd_run(args) -> int:
     if err:
         raise orchestrator.collective(ConfigError(err))
     cfg = from_json(world.bcast_text(text))
-    orchestrator.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress)
+    resume = True if args.resume else ("auto" if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else False)
+    try:
+        orchestrator.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress,
+                         resume=resume)
+    except orchestrator.Preempted:
+        return orchestrator.EXIT_PREEMPTED
+    except orchestrator.RunComplete as exc:
+        if world.rank == 0:
+            print(f"communities: {exc}")
     return 0
 
 

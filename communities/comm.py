@@ -54,10 +54,14 @@ class World:
         return self._local_rank
 
     def hostnames(self) -> List[str]:
-        """Every rank's host name, via a fixed-width byte Allgather."""
-        name = socket.gethostname().encode()[:64].ljust(64, b"\0")
-        out = np.zeros((self.size, 64), dtype=np.uint8)
-        self.comm.Allgather(np.frombuffer(name, dtype=np.uint8), out)
+        """Every rank's host name."""
+        return self.allgather_text(socket.gethostname(), width=64)
+
+    def allgather_text(self, text: str, width: int = 512) -> List[str]:
+        """Every rank's short text (truncated to ``width`` bytes) via a fixed-width byte Allgather."""
+        raw = text.encode()[:width].ljust(width, b"\0")
+        out = np.zeros((self.size, width), dtype=np.uint8)
+        self.comm.Allgather(np.frombuffer(raw, dtype=np.uint8), out)
         return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
 
     @staticmethod

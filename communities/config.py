@@ -193,7 +193,33 @@ class CommConfig(_Section):
     check_hashes: bool = Field(True, description="allgather a hash of exchange lists and communities each round")
 
 
-STRATEGIES = ("community", "gossip", "ring", "isolated")
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="units between checkpoints (0: only at the end and on a stop signal)")
+    at_end: bool = True
+    keep: int = Field(1, ge=0, description="complete checkpoints kept besides the newest")
+    requeue: bool = Field(True, description="on a stop signal under SLURM, rank 0 runs scontrol requeue")
+
+
+# Keys a resumed run may change: they do not alter what is computed up to the checkpoint.
+RESUME_MAY_CHANGE = ("train.budget", "output", "checkpoint", "comm.check_hashes", "consensus.stop",
+                     "consensus.patience", "consensus.tol", "train.eval_every")
+
+
+def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
+    """Dotted keys whose values differ between two config dicts (``RESUME_MAY_CHANGE`` ignored)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        path = f"{prefix}{key}"
+        if any(path == k or path.startswith(k + ".") for k in RESUME_MAY_CHANGE):
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(differences(a, b, path + "."))
+        elif a != b:
+            out.append(f"{path}: checkpoint has {a!r}, config has {b!r}")
+    return out
+
+
 
 
 class Config(_Section):
@@ -213,6 +239,7 @@ class Config(_Section):
     consensus: ConsensusConfig = ConsensusConfig()
     output: OutputConfig = OutputConfig()
     comm: CommConfig = CommConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     def check_world(self, world: int) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""

@@ -13,6 +13,9 @@ import io
 import math
 import os
 import platform
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,17 +25,32 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from . import clustering, data, merge, models, protocol, schedule, signature, strategies, train
+from . import checkpoint, clustering, data, merge, models, protocol, schedule, signature, strategies, train
 from .comm import Stopwatch, World
+from .config import Config, ConfigError, differences
 from .exchange import swap_and_merge
-from .config import Config, ConfigError
-from .results import ResultsError, RunWriter, atomic_write_bytes
+from .results import ResultsError, RunWriter, atomic_write_bytes, atomic_write_json, read_json, read_jsonl, repair_jsonl
 
 METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
 MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes")
 RULE_CODES = {r: k for k, r in enumerate(merge.RULES)}
 
 USER_ERRORS = (ConfigError, data.DataError, models.ModelError, ResultsError, OSError)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal or STOP file, checkpoint written; resume with --resume
+STOP_FILE = "STOP"
+LOGS = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl")
+
+
+class Preempted(Exception):
+    """Every rank raises this after the collective stop and checkpoint; the CLI exits 75."""
+
+    collective = True
+
+
+class RunComplete(Exception):
+    """``--resume`` of a run that already finished: nothing to do (exit 0)."""
+
+    collective = True
 
 
 def _now() -> str:
@@ -50,6 +68,8 @@ def collective_check(world: World, fn, root: int = 0):
     if world.rank == root:
         try:
             out = fn()
+        except RunComplete as exc:
+            msg = f"done\0{exc}"
         except USER_ERRORS as exc:
             msg = f"user\0{exc}"
         except Exception as exc:
@@ -61,6 +81,8 @@ def collective_check(world: World, fn, root: int = 0):
         kind, text = msg.split("\0", 1)
         if kind == "bug":
             raise RuntimeError(f"rank {root} failed during set-up: {text}")
+        if kind == "done":
+            raise RunComplete(text)
         raise collective(ConfigError(text))
     return out
 
@@ -105,7 +127,7 @@ class Engine:
     """One rank's engine. Build with ``Engine(cfg, world, ...)``, then ``run()``."""
 
     def __init__(self, cfg: Config, world: World, run_dir: Path, overwrite: bool = False,
-                 argv: Optional[List[str]] = None, progress: bool = True):
+                 argv: Optional[List[str]] = None, progress: bool = True, resume=False):
         self.cfg, self.world, self.argv = cfg, world, argv or sys.argv
         self.rank, self.n = world.rank, world.size
         self.show_progress = progress and self.rank == 0
@@ -118,14 +140,19 @@ class Engine:
         self.writer: Optional[RunWriter] = None
         self.run_dir = Path(run_dir)
         self._overwrite = overwrite
+        self._resume = resume  # False, True (--resume) or "auto" (a SLURM restart)
         self._setup_data()
         self._setup_model()
-        self._setup_output()
         self.strategy = strategies.make(cfg, self.n)
         self.clock = protocol.MergeClock(self.n, cfg.seed, cfg.merge.lam) if self.strategy.pairwise else None
         self._digest = b""
-        self._pending = None  # overlapped signature allgather
+        self._pending = None  # overlapped signature allgather: (request, gathered, sent)
         self._merges_logged = 0
+        self._wall_before = 0.0  # wall time of earlier segments of a resumed run
+        self._stop_signal = False
+        self.resumed_from = self._setup_output()
+        if self.resumed_from is not None:
+            self._restore(self.resumed_from)
 
     # ------------------------------------------------------------------ setup
 
@@ -168,31 +195,84 @@ class Engine:
             o = cfg.merge.outer
             self.outer = merge.OuterOptimizer(flat.numel(), o.lr, o.momentum, o.nesterov, self.device, flat.dtype)
 
-    def _setup_output(self) -> None:
+    def _setup_output(self) -> Optional[Path]:
+        """Open the run directory (fresh, or continued from its last checkpoint); returns the checkpoint."""
         cfg = self.cfg
 
         def open_writer():
-            w = RunWriter(self.run_dir, overwrite=self._overwrite)
+            ckpt = self._find_checkpoint() if self._resume else None
+            if ckpt is None:
+                fresh_over_partial = self._resume == "auto"  # requeued before any checkpoint: same job, start over
+                w = RunWriter(self.run_dir, overwrite=self._overwrite or fresh_over_partial)
+                w.write_json("partition.json", data.describe(self.shards, self.dataset.y_train, cfg.data.partition,
+                                                            len(self.dataset.y_test)))
+            else:
+                w = RunWriter(self.run_dir, resume=True)
+                self._rewind(checkpoint.read_info(ckpt)["t"])
             w.write_text("config.yaml", cfg.to_yaml())
-            w.write_json("partition.json", data.describe(self.shards, self.dataset.y_train, cfg.data.partition,
-                                                        len(self.dataset.y_test)))
-            return w
+            return w, ckpt
 
-        self.writer = collective_check(self.world, open_writer)
+        opened = collective_check(self.world, open_writer)
+        self.writer, ckpt = opened if self.rank == 0 else (None, None)
+        name = self.world.bcast_text(ckpt.name if ckpt is not None else "")
         hosts = self.world.hostnames()
         if self.rank == 0:
             import mpi4py
             import scipy
             from . import __version__
 
+            previous = read_json(self.run_dir / "meta.json") if name and (self.run_dir / "meta.json").exists() else {}
             self.meta = {
                 "package_version": __version__, "python": platform.python_version(), "torch": torch.__version__,
                 "numpy": np.__version__, "scipy": scipy.__version__, "mpi4py": mpi4py.__version__,
                 "mpi_library": World.library_version(), "world_size": self.n, "hosts": sorted(set(hosts)),
                 "device": str(self.device), "strategy": cfg.strategy, "n_params": int(self.flat.numel()),
-                "command": list(self.argv), "start_time": _now(), "end_time": None, "status": "running",
+                "command": list(self.argv), "start_time": previous.get("start_time", _now()), "end_time": None,
+                "status": "running", "resumed": previous.get("resumed", []) + ([{"from": name, "at": _now()}] if name else []),
             }
             self.writer.write_json("meta.json", self.meta)
+        return self.run_dir / "checkpoints" / name if name else None
+
+    def _find_checkpoint(self) -> Optional[Path]:
+        """Rank 0: the last complete checkpoint, after checking it fits this job; None to start fresh."""
+        summary = self.run_dir / "summary.json"
+        if summary.exists() and (self.run_dir / "meta.json").exists() and \
+                read_json(self.run_dir / "meta.json").get("status") == "complete":
+            raise RunComplete(f"{self.run_dir} is already complete ({summary}); nothing to resume")
+        ckpt = checkpoint.latest(self.run_dir / "checkpoints")
+        if ckpt is None:
+            if self._resume == "auto":
+                return None
+            raise ResultsError(f"{self.run_dir / 'checkpoints'}: no complete checkpoint to resume from")
+        info = checkpoint.read_info(ckpt)
+        if info.get("world_size") != self.n:
+            raise ConfigError(f"cannot resume from {ckpt}: it was written by {info.get('world_size')} ranks, "
+                              f"this job has {self.n}")
+        diffs = differences(info.get("config", {}), self.cfg.model_dump())
+        if diffs:
+            raise ConfigError(f"cannot resume from {ckpt}: the config differs: " + "; ".join(diffs))
+        if info.get("final") and info["t"] >= self.cfg.train.budget:
+            raise ConfigError(f"cannot resume from {ckpt}: it is the end of a {info['t']}-unit run; "
+                              f"raise train.budget to continue training")
+        return ckpt
+
+    def _rewind(self, t: int) -> None:
+        """Rank 0: drop log rows and rounds written after unit t (they will be redone identically)."""
+        for name in LOGS:
+            path = self.run_dir / name
+            repair_jsonl(path)
+            rows = read_jsonl(path)
+            kept = [r for r in rows if r["t"] <= t]
+            if len(kept) != len(rows):
+                import json
+
+                atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        for d in (self.run_dir / "rounds").glob("round_*"):
+            info = d / "round.json"
+            if not info.exists() or read_json(info)["t"] > t:
+                shutil.rmtree(d)
+        for stale in ("summary.json", "consensus.pt", STOP_FILE):
+            (self.run_dir / stale).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ the loop
 
@@ -200,8 +280,9 @@ class Engine:
         cfg, st = self.cfg, self.state
         self._wall0 = time.perf_counter()
         bar = self._progress_bar()
+        previous_handlers = self._install_signal_handlers()
         try:
-            for t in range(1, cfg.train.budget + 1):
+            for t in range(st.t + 1, cfg.train.budget + 1):
                 st.t = t
                 self._train(t)
                 if self.clock is not None:
@@ -216,12 +297,147 @@ class Engine:
                     stop = self._signature_round(t)
                 self._maybe_eval_consensus(t)
                 self._progress(bar, t)
+                if self._stop_requested():
+                    self._checkpoint(t)
+                    self._preempt(t)
                 if stop:
                     break
+                if cfg.checkpoint.every and t % cfg.checkpoint.every == 0 and t < cfg.train.budget:
+                    self._checkpoint(t)
+            self._final_eval()
+            if cfg.checkpoint.at_end:
+                self._checkpoint(st.t, final=True)
             return self._finish()
         finally:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
             if bar is not None:
                 bar.close()
+
+    # ------------------------------------------------------------------ stop, checkpoint, resume
+
+    def _install_signal_handlers(self) -> dict:
+        """SIGUSR1/SIGTERM only set a flag; the ranks act on it together at the next unit boundary."""
+        def request_stop(signum, frame):
+            self._stop_signal = True
+
+        previous = {}
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            try:
+                previous[sig] = signal.signal(sig, request_stop)
+            except ValueError:  # not the main thread
+                pass
+        return previous
+
+    def _stop_requested(self) -> bool:
+        """One tiny Allreduce: stop if any rank got a signal or rank 0 sees ``RUN_DIR/STOP``."""
+        local = self._stop_signal or (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
+        with self.watch("idle"):
+            return self.world.allreduce_scalar(float(local), "max") > 0
+
+    def _preempt(self, t: int) -> None:
+        if self.rank == 0:
+            (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+            self.meta.update(status="interrupted", end_time=_now())
+            self.writer.write_json("meta.json", self.meta)
+            self.writer.close()
+            job = os.environ.get("SLURM_JOB_ID")
+            requeued = False
+            if job and self.cfg.checkpoint.requeue and shutil.which("scontrol"):
+                res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+                requeued = res.returncode == 0
+                if not requeued:
+                    print(f"communities: scontrol requeue {job} failed: {res.stderr.strip()}", file=sys.stderr)
+            print(f"communities: stopped at t={t}, checkpoint written"
+                  + (f"; job {job} requeued" if requeued else "; continue with --resume"), flush=True)
+        raise Preempted(f"stopped at t={t}")
+
+    def _checkpoint(self, t: int, final: bool = False) -> None:
+        """Every rank writes its state; rank 0 commits the checkpoint once all succeeded."""
+        self._gather_rows()
+        root = self.run_dir / "checkpoints"
+        directory = checkpoint.step_dir(root, t)
+        ok, err = 1.0, ""
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            checkpoint.save_rank(directory, self.rank, self._rank_state())
+        except OSError as exc:
+            ok, err = 0.0, str(exc)
+        with self.watch("idle"):
+            all_ok = self.world.allreduce_scalar(ok, "min") > 0
+        if err:
+            print(f"communities: rank {self.rank} could not write its checkpoint at t={t}: {err}", file=sys.stderr)
+        if not all_ok:
+            if self.rank == 0:
+                print(f"communities: checkpoint at t={t} incomplete; the previous one stays in force", file=sys.stderr)
+            return
+        if self.rank == 0:
+            com = self.strategy.communities
+            checkpoint.commit(root, t, {
+                "t": t, "final": final, "world_size": self.n, "round": self.state.rounds, "time": _now(),
+                "communities": com.labels.tolist() if com is not None else None,
+                "config": self.cfg.model_dump(),
+            }, keep=self.cfg.checkpoint.keep)
+
+    def _rank_state(self) -> dict:
+        st = self.state
+        com = self.strategy.communities
+        pending = None
+        if self._pending is not None:  # finish the overlapped gather now; its result is needed after resume
+            self._pending[0].Wait()
+            pending = torch.from_numpy(self._pending[1].copy())
+        return {
+            "version": 1, "rank": self.rank, "world_size": self.n, "t": st.t,
+            "flat": self.flat.detach().cpu().clone(), "optimizer": self.opt.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "clock": torch.from_numpy(self.clock.state()) if self.clock is not None else None,
+            "outer_m": self.outer.m.detach().cpu().clone() if self.outer is not None else None,
+            "digest": torch.tensor(list(self._digest), dtype=torch.uint8),
+            "pending_signatures": pending,
+            "communities": None if com is None else {
+                "Z": torch.from_numpy(com.Z.copy()), "labels": torch.from_numpy(com.labels.copy()),
+                "cut_height": float(com.cut_height), "distances": torch.from_numpy(com.distances.copy())},
+            "bytes_sent": int(self.world.bytes_sent), "watch": dict(self.watch.total),
+            "wall": self._wall_before + time.perf_counter() - self._wall0 if hasattr(self, "_wall0") else 0.0,
+            "merges_logged": self._merges_logged,
+            "state": {
+                "samples": st.samples, "recent_loss": st.recent_loss, "test_acc": st.test_acc,
+                "test_loss": st.test_loss, "update_norms": list(st.update_norms), "rounds": st.rounds,
+                "calm_rounds": st.calm_rounds, "consensus_t": st.consensus_t,
+                "communities_per_round": list(st.communities_per_round), "first_ari": st.first_ari,
+                "last_dispersion": st.last_dispersion,
+            },
+        }
+
+    def _restore(self, directory: Path) -> None:
+        """Load this rank's checkpoint file; the loop then continues at t + 1 exactly as it would have."""
+        saved = collective_load(self.world, lambda: checkpoint.load_rank(directory, self.rank))
+        if saved["rank"] != self.rank or saved["world_size"] != self.n or saved["flat"].numel() != self.flat.numel():
+            raise ResultsError(f"{checkpoint.rank_file(directory, self.rank)}: written for rank {saved['rank']} of "
+                               f"{saved['world_size']} with {saved['flat'].numel()} weights; this is rank {self.rank} "
+                               f"of {self.n} with {self.flat.numel()}")
+        self.flat.copy_(saved["flat"].to(self.flat.device))
+        self.opt.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["torch_rng"])
+        if self.clock is not None:
+            self.clock.load(saved["clock"].numpy())
+        if self.outer is not None:
+            self.outer.m.copy_(saved["outer_m"].to(self.outer.m.device))
+        self._digest = bytes(saved["digest"].tolist())
+        if saved["pending_signatures"] is not None:
+            self._pending = (_Done(), saved["pending_signatures"].numpy().copy(), None)
+        com = saved["communities"]
+        if com is not None:
+            self.strategy.observe(clustering.Communities(
+                Z=com["Z"].numpy().copy(), labels=com["labels"].numpy().copy(), cut_height=com["cut_height"],
+                distances=com["distances"].numpy().copy()))
+        self.world.bytes_sent = saved["bytes_sent"]
+        self.watch.total.update(saved["watch"])
+        self._wall_before = saved["wall"]
+        self._merges_logged = saved["merges_logged"]
+        for key, value in saved["state"].items():
+            setattr(self.state, key, value)
+        self.state.t = saved["t"]
 
     def _train(self, t: int) -> None:
         cfg, st = self.cfg, self.state
@@ -343,14 +559,24 @@ class Engine:
         return reached and cfg.consensus.stop
 
     def _flush_logs(self, info: Optional[dict] = None, S=None, com=None) -> None:
-        """Gather metrics and merge rows to rank 0; it writes them (and the round) to disk."""
+        """Gather the log rows to rank 0 and, at a signature round, write the round."""
         st = self.state
-        local_norm = np.array([sum(st.update_norms), len(st.update_norms)], dtype=np.float64)
+        local_norm = np.array([[sum(st.update_norms), len(st.update_norms)]], dtype=np.float64)
         st.update_norms = []
+        self._gather_rows()
+        with self.watch("idle"):
+            norms = self.world.gather_rows(local_norm)
+        if self.rank == 0 and info is not None:
+            tot = np.sum(np.concatenate(norms), axis=0)
+            info["mean_update_norm"] = float(tot[0] / tot[1]) if tot[1] > 0 else None
+            self.writer.write_round(info["round"], S.astype(np.float32), com.Z, com.labels, info)
+
+    def _gather_rows(self) -> None:
+        """Metrics and merge rows of every rank reach rank 0 as float64 blocks; it appends them."""
+        st = self.state
         with self.watch("idle"):
             metrics = self.world.gather_rows(np.array(st.metric_rows, dtype=np.float64).reshape(-1, len(METRIC_FIELDS)))
             merges = self.world.gather_rows(np.array(st.merge_rows, dtype=np.float64).reshape(-1, len(MERGE_FIELDS)))
-            norms = self.world.gather_rows(local_norm.reshape(1, 2))
         st.metric_rows, st.merge_rows = [], []
         if self.rank != 0:
             return
@@ -368,10 +594,6 @@ class Engine:
         mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
         self.writer.append_jsonl("merges.jsonl", mrows)
         self._merges_logged += sum(1 for m in mrows if m["i"] == m["initiator"])
-        if info is not None:
-            tot = np.sum(np.concatenate(norms), axis=0)
-            info["mean_update_norm"] = float(tot[0] / tot[1]) if tot[1] > 0 else None
-            self.writer.write_round(info["round"], S.astype(np.float32), com.Z, com.labels, info)
 
     # ------------------------------------------------------------------ consensus model
 
@@ -399,19 +621,22 @@ class Engine:
 
     # ------------------------------------------------------------------ finish
 
-    def _finish(self) -> dict:
-        cfg, st = self.cfg, self.state
-        if not math.isfinite(st.test_acc) or st.metric_rows and math.isnan(st.metric_rows[-1][3]):
+    def _final_eval(self) -> None:
+        """Make sure the last unit's metrics row carries a test evaluation."""
+        st = self.state
+        if st.metric_rows and math.isnan(st.metric_rows[-1][3]):
             with self.watch("eval"):
                 st.test_acc, st.test_loss = train.evaluate(self.model, self.x_test, self.y_test)
-            if st.metric_rows:
-                st.metric_rows[-1][3:5] = [st.test_acc, st.test_loss]
-        self._flush_logs()
+            st.metric_rows[-1][3:5] = [st.test_acc, st.test_loss]
+
+    def _finish(self) -> dict:
+        cfg, st = self.cfg, self.state
+        self._gather_rows()
         mean = self._consensus_flat()
         with self.watch("eval"):
             c_acc, c_loss = self._evaluate_flat(mean)
         dist = float(torch.dist(self.flat, mean) / max(float(mean.norm()), 1e-12))
-        wall = time.perf_counter() - self._wall0
+        wall = self._wall_before + time.perf_counter() - self._wall0
         split = [self.watch.total[c] for c in Stopwatch.CATEGORIES]
         row = np.array([[st.test_acc, dist, self.world.bytes_sent, wall, *split]], dtype=np.float64)
         gathered = self.world.gather_rows(row)
@@ -467,6 +692,27 @@ class Engine:
             print(f"[{self.cfg.name}] t={t}/{self.cfg.train.budget} {info}", flush=True)
 
 
+class _Done:
+    """A request that has already completed (an overlapped gather restored from a checkpoint)."""
+
+    def Wait(self):
+        return None
+
+
+def collective_load(world: World, fn):
+    """Run ``fn`` on every rank; if it fails anywhere, every rank raises one error naming each failure."""
+    out, err = None, None
+    try:
+        out = fn()
+    except USER_ERRORS as exc:
+        err = exc
+    messages = world.allgather_text("" if err is None else str(err))
+    failures = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
+    if failures:
+        raise collective(ResultsError("; ".join(failures)))
+    return out
+
+
 def _num(x: float) -> Optional[float]:
     return None if not math.isfinite(x) else float(x)
 
@@ -493,10 +739,12 @@ def print_summary(s: dict, run_dir: Path) -> None:
     print(f"results                  {run_dir}")
 
 
-def run(cfg: Config, world: World, overwrite: bool = False, argv=None, progress: bool = True) -> dict:
+def run(cfg: Config, world: World, overwrite: bool = False, argv=None, progress: bool = True, resume=False) -> dict:
     """Run one training job on this rank; rank 0 returns the summary."""
     run_dir = Path(cfg.output.root) / cfg.name
-    engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress)
+    engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress, resume=resume)
+    if world.rank == 0 and engine.resumed_from is not None:
+        print(f"communities: resuming {run_dir} from {engine.resumed_from.name} (t={engine.state.t})", flush=True)
     summary = engine.run()
     if world.rank == 0:
         print_summary(summary, run_dir)

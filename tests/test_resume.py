@@ -1,0 +1,128 @@
+"""Checkpoints, collective stop on a signal or STOP file, and exact resume, under a real mpiexec."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import ROOT, mpi_env, mpiexec, run_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+LONG = ["train.budget=150", "checkpoint.every=10"]
+
+
+def consensus(run_dir: Path) -> dict:
+    return torch.load(run_dir / "consensus.pt", weights_only=True)
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def start(n, config, root, *overrides):
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "communities", "run", str(config),
+           f"output.root={root}", "--no-progress", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for(path: Path, proc, timeout=120):
+    t0 = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path} appeared:\n{proc.communicate()[1][-3000:]}"
+        assert time.time() - t0 < timeout, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+def rank_pids(marker: str):
+    out = subprocess.run(["pgrep", "-f", f"communities run .*{marker}"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def finish(proc, timeout=240):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("how", ["signal", "stopfile"])
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_config, how):
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    run_engine(4, tiny_config, ref, *LONG)
+    proc = start(4, tiny_config, cut, *LONG)
+    wait_for(cut / "tiny" / "checkpoints" / "latest", proc)
+    if how == "signal":
+        pids = rank_pids(str(cut))
+        assert pids, "no rank processes found"
+        os.kill(pids[-1], signal.SIGUSR1)  # one rank only: the stop must still be collective
+    else:
+        (cut / "tiny" / "STOP").touch()
+    code, out, err = finish(proc)
+    assert code == 75, err[-3000:]
+    assert "checkpoint written" in out
+    assert not (cut / "tiny" / "summary.json").exists()
+    res = run_engine(4, tiny_config, cut, *LONG, extra=["--resume"])
+    assert "resuming" in res.stdout
+    assert identical(consensus(ref / "tiny"), consensus(cut / "tiny"))
+    # logs of the resumed run match the uninterrupted one row for row (no duplicates, no gaps)
+    from communities.results import read_jsonl
+
+    for log in ("metrics.jsonl", "merges.jsonl"):
+        a, b = read_jsonl(ref / "tiny" / log), read_jsonl(cut / "tiny" / log)
+        strip = lambda rows: [{k: v for k, v in r.items() if k not in ("bytes_sent",)} for r in rows]
+        assert strip(a) == strip(b), log
+    rounds = lambda d: sorted(p.name for p in (d / "tiny" / "rounds").iterdir())
+    assert rounds(ref) == rounds(cut)
+
+
+def as_if_interrupted(run_dir: Path) -> None:
+    """Make a finished run look like one that was killed after its last periodic checkpoint."""
+    (run_dir / "summary.json").unlink()
+    meta = run_dir / "meta.json"
+    meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
+
+
+def test_resume_refuses_another_world_size_or_config(tmp_path, tiny_config):
+    run_engine(4, tiny_config, tmp_path, "train.budget=20", "checkpoint.every=10", "checkpoint.at_end=false")
+    as_if_interrupted(tmp_path / "tiny")
+    res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
+    assert res.returncode == 2 and "written by 4 ranks, this job has 2" in res.stderr
+    res = run_engine(4, tiny_config, tmp_path, "train.budget=20", "train.lr=0.5", extra=["--resume"], check=False)
+    assert res.returncode == 2 and "train.lr: checkpoint has 0.05, config has 0.5" in res.stderr
+
+
+def test_resume_of_a_complete_run_does_nothing(tmp_path, tiny_config):
+    run_engine(2, tiny_config, tmp_path, "train.budget=10")
+    before = (tmp_path / "tiny" / "summary.json").read_bytes()
+    res = run_engine(2, tiny_config, tmp_path, "train.budget=10", extra=["--resume"])
+    assert "already complete" in res.stdout
+    assert (tmp_path / "tiny" / "summary.json").read_bytes() == before
+
+
+def test_damaged_checkpoint_is_named(tmp_path, tiny_config):
+    run_engine(2, tiny_config, tmp_path, "train.budget=20", "checkpoint.every=10", "checkpoint.at_end=false")
+    as_if_interrupted(tmp_path / "tiny")
+    latest = (tmp_path / "tiny" / "checkpoints" / "latest").read_text().strip()
+    victim = tmp_path / "tiny" / "checkpoints" / latest / "rank00001.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
+    assert res.returncode == 2 and "rank00001.pt: damaged checkpoint file" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, tiny_config):
+    proc = start(4, tiny_config, tmp_path, *LONG)
+    wait_for(tmp_path / "tiny" / "checkpoints" / "latest", proc)
+    os.kill(rank_pids(str(tmp_path))[-1], signal.SIGKILL)
+    code, _, _ = finish(proc, timeout=120)
+    assert code != 0
+    run_engine(4, tiny_config, tmp_path, *LONG, extra=["--resume"])
+    assert (tmp_path / "tiny" / "summary.json").exists()
