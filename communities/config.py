@@ -118,6 +118,7 @@ class OuterConfig(_Section):
 
 class MergeConfig(_Section):
     lam: float = Field(2.0, ge=1, description="mean units between a rank's merges; K ~ 1 + Poisson(lam - 1)")
+    period: int = Field(4, ge=1, description="units between global averages (strategy local_sgd, diloco)")
     rule: Literal["constant", "clock", "loss", "ema", "swap"] = "constant"
     alpha: float = Field(0.5, ge=0, le=1, description="interpolation weight a for constant/clock/loss")
     ema: Schedule = Schedule(start=0.1, end=0.5, shape="linear", horizon=100)
@@ -225,7 +226,7 @@ def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
 class Config(_Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.\-]+$")
     seed: int = Field(0, ge=0)
-    strategy: Literal["community", "gossip", "ring", "isolated"] = "community"
+    strategy: Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"] = "community"
     world_size: Optional[int] = Field(None, ge=1, description="expected MPI world size; null accepts any")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     threads: int = Field(1, ge=1, description="torch threads per rank")
@@ -251,7 +252,7 @@ class Config(_Section):
             )
         if self.strategy == "community" and self.clustering.cut == "maxclust" and self.clustering.k.start > world:
             raise ConfigError(f"clustering.k.start={self.clustering.k.start} exceeds the world size {world}")
-        if self.strategy in ("community", "gossip") and world < 2:
+        if self.strategy in ("community", "gossip", "ring") and world < 2:
             raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
 
     def to_json(self) -> str:

@@ -128,6 +128,17 @@ def flatten_(model: nn.Module) -> Tuple[torch.Tensor, int]:
     return flat, n_params
 
 
+def bind_flat_grad_(model: nn.Module) -> torch.Tensor:
+    """Give every parameter a ``.grad`` that is a view of one flat buffer (one Allreduce per step)."""
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset: offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
 def shape_signature(model: nn.Module) -> str:
     """Names, shapes and dtypes of what is merged: ranks compare a hash of this at start-up."""
     params, buffers = _merged_tensors(model)

@@ -32,7 +32,8 @@ from .exchange import swap_and_merge
 from .results import ResultsError, RunWriter, atomic_write_bytes, atomic_write_json, read_json, read_jsonl, repair_jsonl
 
 METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
-MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes")
+MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes", "event")
+EVENTS = ("merge", "average")  # a pairwise merge; a global Allreduce average (j = initiator = -1)
 RULE_CODES = {r: k for k, r in enumerate(merge.RULES)}
 
 USER_ERRORS = (ConfigError, data.DataError, models.ModelError, ResultsError, OSError)
@@ -141,9 +142,9 @@ class Engine:
         self.run_dir = Path(run_dir)
         self._overwrite = overwrite
         self._resume = resume  # False, True (--resume) or "auto" (a SLURM restart)
+        self.strategy = strategies.make(cfg, self.n)
         self._setup_data()
         self._setup_model()
-        self.strategy = strategies.make(cfg, self.n)
         self.clock = protocol.MergeClock(self.n, cfg.seed, cfg.merge.lam) if self.strategy.pairwise else None
         self._digest = b""
         self._pending = None  # overlapped signature allgather: (request, gathered, sent)
@@ -190,10 +191,20 @@ class Engine:
         ref = sk(flat[:n_params]).numpy() if self.rank == 0 else None
         ref = self.world.bcast_array(ref, (cfg.signature.dim,), np.float64)
         self.signer = signature.Signer(sk, ref)
-        self.outer = None
-        if cfg.merge.outer.enabled:
+        self.outer = self.anchor = None
+        if cfg.merge.outer.enabled or self.strategy.outer:
             o = cfg.merge.outer
             self.outer = merge.OuterOptimizer(flat.numel(), o.lr, o.momentum, o.nesterov, self.device, flat.dtype)
+        if self.strategy.outer:
+            self.anchor = flat.clone()  # the weights all ranks held after the last global step
+        self.grad_sync = None
+        self.unit_steps = None
+        if self.strategy.sync_gradients:
+            self.flat_grad = models.bind_flat_grad_(model)
+            self.grad_sync = self._average_gradients
+            if cfg.train.unit == "epoch":  # every rank must take the same number of steps
+                longest = max(s.indices.size for s in self.shards)
+                self.unit_steps = -(-longest // cfg.train.batch_size)
 
     def _setup_output(self) -> Optional[Path]:
         """Open the run directory (fresh, or continued from its last checkpoint); returns the checkpoint."""
@@ -292,6 +303,8 @@ class Engine:
                                                    np.asarray(plan, dtype=np.int64).reshape(-1, 2))
                     for partner, (i, j) in protocol.my_exchanges(plan, self.rank):
                         self._exchange(t, partner, i)
+                if self.strategy.global_period and t % self.strategy.global_period == 0:
+                    self._global_average(t)
                 stop = False
                 if t % cfg.signature.every == 0:
                     stop = self._signature_round(t)
@@ -392,6 +405,7 @@ class Engine:
             "torch_rng": torch.get_rng_state(),
             "clock": torch.from_numpy(self.clock.state()) if self.clock is not None else None,
             "outer_m": self.outer.m.detach().cpu().clone() if self.outer is not None else None,
+            "anchor": self.anchor.detach().cpu().clone() if self.anchor is not None else None,
             "digest": torch.tensor(list(self._digest), dtype=torch.uint8),
             "pending_signatures": pending,
             "communities": None if com is None else {
@@ -423,6 +437,8 @@ class Engine:
             self.clock.load(saved["clock"].numpy())
         if self.outer is not None:
             self.outer.m.copy_(saved["outer_m"].to(self.outer.m.device))
+        if self.anchor is not None:
+            self.anchor.copy_(saved["anchor"].to(self.anchor.device))
         self._digest = bytes(saved["digest"].tolist())
         if saved["pending_signatures"] is not None:
             self._pending = (_Done(), saved["pending_signatures"].numpy().copy(), None)
@@ -442,7 +458,8 @@ class Engine:
     def _train(self, t: int) -> None:
         cfg, st = self.cfg, self.state
         with self.watch("train"):
-            res = train.train_unit(self.model, self.opt, self.x, self.y, cfg.train, cfg.seed, self.rank, t)
+            res = train.train_unit(self.model, self.opt, self.x, self.y, cfg.train, cfg.seed, self.rank, t,
+                                   steps=self.unit_steps, grad_sync=self.grad_sync)
         st.samples += res.samples
         st.recent_loss = res.loss
         test_acc = test_loss = float("nan")
@@ -476,7 +493,27 @@ class Engine:
                 update = a * distance
             self._merge_optimizer_state(partner, a, has_state > 0 and other[3] > 0)
         st.update_norms.append(update)
-        st.merge_rows.append([t, self.rank, partner, initiator, a, update, distance, self.world.bytes_sent - sent0])
+        st.merge_rows.append([t, self.rank, partner, initiator, a, update, distance, self.world.bytes_sent - sent0, 0])
+
+    def _global_average(self, t: int) -> None:
+        """local_sgd: every rank takes the Allreduce mean; diloco: an outer step on the mean's pseudo-gradient."""
+        st = self.state
+        sent0 = self.world.bytes_sent
+        with self.watch("exchange"):
+            before = self.flat.clone()
+            self.world.allreduce_mean_(self.recv.copy_(self.flat))
+            if self.anchor is not None:
+                self.outer.step_(self.anchor, self.recv)  # recv <- anchor - lr * nesterov(anchor - mean)
+                self.anchor.copy_(self.recv)
+            self.flat.copy_(self.recv)
+            update = float(torch.dist(self.flat, before))
+        st.update_norms.append(update)
+        st.merge_rows.append([t, self.rank, -1, -1, 1.0, update, float("nan"), self.world.bytes_sent - sent0, 1])
+
+    def _average_gradients(self) -> None:
+        """allreduce: one Allreduce of the flat gradient buffer per step."""
+        with self.watch("exchange"):
+            self.world.allreduce_mean_(self.flat_grad)
 
     def _merge_optimizer_state(self, partner: int, a: float, both_have_state: bool) -> None:
         mode = self.cfg.merge.optimizer_state
@@ -589,11 +626,12 @@ class Engine:
         rows.sort(key=lambda d: (d["t"], d["rank"]))
         self.writer.append_jsonl("metrics.jsonl", rows)
         mrows = [{"t": int(m[0]), "i": int(m[1]), "j": int(m[2]), "initiator": int(m[3]), "a": float(m[4]),
-                  "update_norm": float(m[5]), "distance": float(m[6]), "bytes": int(m[7]),
-                  "rule": self.cfg.merge.rule, "event": "merge"} for block in merges for m in block]
+                  "update_norm": float(m[5]), "distance": _num(m[6]), "bytes": int(m[7]),
+                  "rule": self.cfg.merge.rule if m[8] == 0 else self.cfg.strategy, "event": EVENTS[int(m[8])]}
+                 for block in merges for m in block]
         mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
         self.writer.append_jsonl("merges.jsonl", mrows)
-        self._merges_logged += sum(1 for m in mrows if m["i"] == m["initiator"])
+        self._merges_logged += sum(1 for m in mrows if m["i"] == m["initiator"] and m["event"] == "merge")
 
     # ------------------------------------------------------------------ consensus model
 

@@ -4,6 +4,11 @@
 after the first signature round; until then ranks train alone so that their
 drift reveals their data. ``gossip``: uniform random partners (dpwa, Blot et al.
 2016). ``ring``: the ring neighbour, alternating direction. ``isolated``: never.
+``local_sgd``: a global Allreduce average every ``merge.period`` units.
+``diloco``: the same, with the average taken as a pseudo-gradient for an outer
+Nesterov step (Douillard et al. 2023; use AdamW inside). ``allreduce``:
+synchronous data parallelism, gradients averaged by Allreduce at every step
+(what DDP or Horovod do).
 
 All pairwise strategies share the merge clock, so they fire merges at the same
 rate and differ only in the partner they pick.
@@ -41,7 +46,10 @@ class Law:
 
 class Strategy:
     name = "base"
-    pairwise = True
+    pairwise = True  # exchanges drawn from the merge clock
+    global_period: Optional[int] = None  # units between global averages
+    outer = False  # global averages feed an outer optimizer
+    sync_gradients = False  # gradient Allreduce at every step
 
     def __init__(self, cfg, n: int):
         self.cfg, self.n = cfg, n
@@ -108,7 +116,26 @@ class IsolatedStrategy(Strategy):
         return None
 
 
-STRATEGIES = {s.name: s for s in (CommunityStrategy, GossipStrategy, RingStrategy, IsolatedStrategy)}
+class LocalSGDStrategy(IsolatedStrategy):
+    name = "local_sgd"
+
+    def __init__(self, cfg, n: int):
+        super().__init__(cfg, n)
+        self.global_period = cfg.merge.period
+
+
+class DiLoCoStrategy(LocalSGDStrategy):
+    name = "diloco"
+    outer = True
+
+
+class AllreduceStrategy(IsolatedStrategy):
+    name = "allreduce"
+    sync_gradients = True
+
+
+STRATEGIES = {s.name: s for s in (CommunityStrategy, GossipStrategy, RingStrategy, IsolatedStrategy,
+                                  LocalSGDStrategy, DiLoCoStrategy, AllreduceStrategy)}
 
 
 def make(cfg, n: int) -> Strategy:

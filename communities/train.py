@@ -7,7 +7,7 @@ sits in virtual time: the same on a resumed run as on an uninterrupted one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -36,39 +36,55 @@ class UnitResult:
 
 
 def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Optional[int]):
-    """Index batches for unit t: one shuffled epoch, or ``steps`` batches drawn across epochs."""
+    """Index batches for unit t: one shuffled epoch, or exactly ``steps`` full batches.
+
+    In step mode every batch has ``min(batch_size, n)`` examples, drawn from
+    successive permutations, so ranks with different shard sizes take the same
+    number of equal steps (what a per-step collective needs).
+    """
     g = protocol.rng(seed, protocol.SHUFFLE, t, rank)
     if steps is None:
         perm = g.permutation(n)
         for lo in range(0, n, batch_size):
             yield perm[lo: lo + batch_size]
         return
-    out, perm, pos = 0, g.permutation(n), 0
-    while out < steps:
-        if pos >= n:
-            perm, pos = g.permutation(n), 0
-        yield perm[pos: pos + batch_size]
-        pos += batch_size
-        out += 1
+    size = min(batch_size, n)
+    pool = g.permutation(n)
+    for _ in range(steps):
+        while len(pool) < size:
+            pool = np.concatenate([pool, g.permutation(n)])
+        yield pool[:size]
+        pool = pool[size:]
 
 
 def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg, seed: int,
-               rank: int, t: int) -> UnitResult:
-    """Train one unit; returns mean loss and accuracy over the unit's batches."""
+               rank: int, t: int, steps: Optional[int] = None, grad_sync: Optional[Callable[[], None]] = None
+               ) -> UnitResult:
+    """Train one unit; returns mean loss and accuracy over the unit's batches.
+
+    ``steps`` fixes the number of steps (else one epoch, or ``cfg.steps_per_unit``
+    in step mode). ``grad_sync`` runs between backward and the optimizer step
+    (the allreduce strategy averages gradients there); gradients are then kept
+    as tensors, not set to None, so a flat gradient buffer stays bound.
+    """
     model.train()
-    steps = cfg.steps_per_unit if cfg.unit == "steps" else None
+    if steps is None and cfg.unit == "steps":
+        steps = cfg.steps_per_unit
     total_loss = torch.zeros((), dtype=torch.float64, device=x.device)
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
     seen = n_steps = 0
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     for idx in batches(len(y), cfg.batch_size, seed, rank, t, steps):
-        if len(idx) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        if len(idx) < 2 and has_bn and grad_sync is None:
             continue  # BatchNorm cannot train on a batch of one
         ix = torch.as_tensor(idx, device=x.device)
         xb, yb = x[ix], y[ix]
         out = model(xb)
         loss = F.cross_entropy(out, yb)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=grad_sync is None)
         loss.backward()
+        if grad_sync is not None:
+            grad_sync()
         opt.step()
         total_loss += loss.detach().double() * len(idx)
         correct += (out.detach().argmax(1) == yb).sum()

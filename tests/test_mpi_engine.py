@@ -144,3 +144,21 @@ def test_quickstart_meets_its_promises(tmp_path):
     assert s["first_round_ari"] >= 0.9
     assert s["communities_per_round"][-1] == 1
     assert s["final_dispersion"] < config.load("configs/quickstart.yaml").consensus.tol
+
+
+@pytest.mark.parametrize("strategy, extra", [("local_sgd", ["merge.period=3"]),
+                                             ("diloco", ["merge.period=3", "train.optimizer=adamw", "train.lr=0.01"]),
+                                             ("allreduce", ["train.unit=epoch"])])
+def test_global_strategies(tmp_path, tiny_config, strategy, extra):
+    run_engine(3, tiny_config, tmp_path, f"strategy={strategy}", "train.budget=12", *extra)
+    run = open_run(tmp_path / "tiny")
+    s = run.summary
+    assert s["strategy"] == strategy and s["merges"] == 0 and s["consensus_test_acc"] > 0.5
+    averages = [m for m in run.merges() if m["event"] == "average"]
+    if strategy == "allreduce":
+        # identical inits and identical averaged gradients: the ranks never diverge
+        assert s["consensus_distance"] < 1e-6 and not averages and s["bytes_sent_mean"] > 0
+    else:
+        assert sorted({m["t"] for m in averages}) == [3, 6, 9, 12] and len(averages) == 4 * 3
+        if strategy == "local_sgd":  # the last unit ended in an average: every rank holds the mean
+            assert s["consensus_distance"] < 1e-6
