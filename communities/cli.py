@@ -108,12 +108,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    from .comm import Disagreement
     from .config import ConfigError
     from .data import DataError
     from .models import ModelError
     from .results import ResultsError
 
-    user_errors = (ConfigError, DataError, ModelError, ResultsError)
+    user_errors = (ConfigError, DataError, ModelError, ResultsError, Disagreement)
     try:
         if args.command == "validate":
             return cmd_validate(args)

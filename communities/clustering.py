@@ -88,6 +88,81 @@ def cut_distance(Z: np.ndarray, threshold: float) -> np.ndarray:
     return canonical(hierarchy.fcluster(Z, t=float(threshold), criterion="distance"))
 
 
+def _encode(labels: np.ndarray):
+    """Labels as 0..K-1 in sorted order of value (what sklearn's LabelEncoder does), and K."""
+    values, codes = np.unique(np.asarray(labels), return_inverse=True)
+    return codes.reshape(-1).astype(np.int64), len(values)
+
+
+def _cluster_sums(D: np.ndarray, codes: np.ndarray, K: int, block: int = 256) -> np.ndarray:
+    """(N, K): row i holds the sum of D[i, j] over the j of each cluster, summed in increasing j.
+
+    One weighted ``bincount`` per block of rows: the same sums in the same order as
+    sklearn's ``_silhouette_reduce`` (a bincount per row), so bitwise equal to them.
+    """
+    n = D.shape[0]
+    out = np.empty((n, K), dtype=np.float64)
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        bins = (np.arange(hi - lo, dtype=np.int64)[:, None] * K + codes[None, :]).ravel()
+        out[lo:hi] = np.bincount(bins, weights=D[lo:hi].ravel(), minlength=(hi - lo) * K).reshape(hi - lo, K)
+    return out
+
+
+def _silhouette_from_sums(sums: np.ndarray, codes: np.ndarray, K: int) -> float:
+    """Mean silhouette from the per-cluster distance sums, with sklearn's arithmetic step for step."""
+    n = codes.size
+    freqs = np.bincount(codes, minlength=K)
+    rows = np.arange(n)
+    cd = sums.copy()
+    intra = cd[rows, codes]
+    cd[rows, codes] = np.inf
+    cd /= freqs
+    inter = cd.min(axis=1)
+    denom = (freqs - 1).take(codes, mode="clip")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        intra = intra / denom
+        sil = inter - intra
+        sil /= np.maximum(intra, inter)
+    return float(np.mean(np.nan_to_num(sil)))
+
+
+def silhouette_scores(distances: np.ndarray, labelings) -> list:
+    """Mean silhouette of each labelling over the same condensed distances.
+
+    Equal to ``sklearn.metrics.silhouette_score(squareform(distances), labels,
+    metric="precomputed")`` for each labelling, to rounding: the O(N^2) pass over
+    the distances is done once, for the finest labelling, and the per-cluster sums
+    of every coarser labelling that is a union of its clusters (the cuts of one
+    tree are nested) are sums of those columns, O(N K) each. The finest labelling's
+    score is bitwise sklearn's; a coarser one can differ in the last bits, because
+    its cluster sums are added in a different order. Deterministic: numpy
+    bincounts and column sums, no BLAS.
+    """
+    from scipy.spatial.distance import squareform
+
+    labelings = [np.asarray(lab) for lab in labelings]
+    if not labelings:
+        return []
+    D = squareform(np.asarray(distances, dtype=np.float64))
+    encoded = [_encode(lab) for lab in labelings]
+    fine = int(np.argmax([k for _, k in encoded]))
+    f_codes, f_k = encoded[fine]
+    f_sums = _cluster_sums(D, f_codes, f_k)
+    _, first = np.unique(f_codes, return_index=True)
+    scores = []
+    for codes, k in encoded:
+        mapping = codes[first]  # the coarse cluster of each fine cluster
+        if np.array_equal(mapping[f_codes], codes):
+            sums = np.zeros((codes.size, k), dtype=np.float64)
+            for f in range(f_k):
+                sums[:, mapping[f]] += f_sums[:, f]
+        else:  # not nested in the finest labelling: a pass of its own
+            sums = _cluster_sums(D, codes, k)
+        scores.append(_silhouette_from_sums(sums, codes, k))
+    return scores
+
+
 def cut_auto(Z: np.ndarray, distances: np.ndarray, max_k: int = 16, min_silhouette: float = 0.25,
              min_separation: float = 0.0) -> np.ndarray:
     """The k in 2..max_k with the best silhouette, or one community when none qualifies.
@@ -97,22 +172,23 @@ def cut_auto(Z: np.ndarray, distances: np.ndarray, max_k: int = 16, min_silhouet
     (heights in the units of ``Z``). Silhouette alone is scale-free and would
     split ranks that agree to three decimals; the separation floor makes
     converged ranks one community without any schedule.
-    """
-    from sklearn.metrics import silhouette_score
-    from scipy.spatial.distance import squareform
 
+    The silhouettes are sklearn's (precomputed metric), computed by
+    ``silhouette_scores`` in one pass over the distances for all k at once.
+    """
     n = Z.shape[0] + 1
     if n < 3:
         return np.zeros(n, dtype=np.int64)
-    D = squareform(distances)
-    best_k, best_s = 1, -np.inf
+    candidates = []
     for k in range(2, min(max_k, n - 1) + 1):
         if Z[n - k, 2] < min_separation:  # the k communities would join below the floor
             break
         labels = hierarchy.fcluster(Z, t=k, criterion="maxclust")
         if len(np.unique(labels)) < 2:
             continue
-        s = silhouette_score(D, labels, metric="precomputed")
+        candidates.append(labels)
+    best_k, best_s = 1, -np.inf
+    for labels, s in zip(candidates, silhouette_scores(distances, candidates)):
         if s > best_s + 1e-12:
             best_k, best_s = len(np.unique(labels)), s
     if best_s < min_silhouette:

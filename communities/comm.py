@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Tuple
@@ -28,10 +30,55 @@ def _mpi():
     return MPI
 
 
+class Disagreement(RuntimeError):
+    """Ranks hold different values of something they must share; raised identically on every rank."""
+
+    collective = True
+
+
+class Watchdog:
+    """Aborts the job when one blocking MPI call outlasts ``timeout`` seconds, naming what it waited for.
+
+    A daemon thread polls the call in progress; the main thread only stores two
+    fields around each call. A hung peer then costs ``timeout`` seconds and a
+    clear message instead of a job that sits until the batch system kills it.
+    """
+
+    def __init__(self, rank: int, timeout: float, abort):
+        self.rank, self.timeout, self._abort = rank, float(timeout), abort
+        self.context = ""  # set by the engine, e.g. "t=12"
+        self._since = 0.0
+        self._what: Optional[str] = None
+        if self.timeout > 0:
+            threading.Thread(target=self._watch, name="communities-watchdog", daemon=True).start()
+
+    @contextmanager
+    def waiting(self, what: str):
+        self._since = time.monotonic()
+        self._what = what
+        try:
+            yield
+        finally:
+            self._what = None
+
+    def _watch(self) -> None:
+        period = max(0.05, min(1.0, self.timeout / 4))
+        while True:
+            time.sleep(period)
+            what, since = self._what, self._since
+            if what is not None and time.monotonic() - since > self.timeout:
+                where = f" at {self.context}" if self.context else ""
+                sys.stderr.write(f"communities: watchdog: rank {self.rank} waited more than {self.timeout:g}s{where} "
+                                 f"in {what}; aborting the job (comm.timeout)\n")
+                sys.stderr.flush()
+                self._abort(3)
+                return
+
+
 class World:
     """This rank's view of the MPI world, with byte counters and staging buffers."""
 
-    def __init__(self, comm=None, cuda_aware: bool = False):
+    def __init__(self, comm=None, cuda_aware: bool = False, timeout: float = 0.0):
         MPI = _mpi()
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
@@ -41,6 +88,11 @@ class World:
         self.bytes_sent = 0
         self._staging: Dict[Tuple[str, int, torch.dtype], torch.Tensor] = {}
         self._local_rank: Optional[int] = None
+        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort)
+
+    def set_timeout(self, timeout: float) -> None:
+        """Arm (or re-arm) the watchdog, once the config is known."""
+        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort)
 
     # ---------------------------------------------------------------- topology
 
@@ -92,20 +144,23 @@ class World:
         if send.device.type != "cpu" and not self.cuda_aware:
             hs, hr = self._host(send, "send"), self._host(recv, "recv")
             hs.copy_(send.reshape(-1))
-            self.comm.Sendrecv(hs.numpy(), dest=peer, sendtag=tag, recvbuf=hr.numpy(), source=peer, recvtag=tag)
+            with self.watchdog.waiting(f"Sendrecv of weights with rank {peer}"):
+                self.comm.Sendrecv(hs.numpy(), dest=peer, sendtag=tag, recvbuf=hr.numpy(), source=peer, recvtag=tag)
             recv.reshape(-1).copy_(hr, non_blocking=False)
         else:
             if send.device.type != "cpu":
                 torch.cuda.current_stream(send.device).synchronize()
-            self.comm.Sendrecv(self._as_buffer(send), dest=peer, sendtag=tag,
-                               recvbuf=self._as_buffer(recv), source=peer, recvtag=tag)
+            with self.watchdog.waiting(f"Sendrecv of weights with rank {peer}"):
+                self.comm.Sendrecv(self._as_buffer(send), dest=peer, sendtag=tag,
+                                   recvbuf=self._as_buffer(recv), source=peer, recvtag=tag)
         self.bytes_sent += send.numel() * send.element_size()
 
     def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
         """Exchange a small numeric array of the same shape and dtype with ``peer``."""
         send = np.ascontiguousarray(send)
         recv = np.empty_like(send)
-        self.comm.Sendrecv(send, dest=peer, sendtag=tag, recvbuf=recv, source=peer, recvtag=tag)
+        with self.watchdog.waiting(f"Sendrecv with partner rank {peer}"):
+            self.comm.Sendrecv(send, dest=peer, sendtag=tag, recvbuf=recv, source=peer, recvtag=tag)
         self.bytes_sent += send.nbytes
         return recv
 
@@ -115,7 +170,8 @@ class World:
         """Stack every rank's equal-shaped ``row`` into an (N, ...) array, identical on all ranks."""
         row = np.ascontiguousarray(row)
         out = np.empty((self.size,) + row.shape, dtype=row.dtype)
-        self.comm.Allgather(row, out)
+        with self.watchdog.waiting("Allgather (a collective: some rank has not arrived)"):
+            self.comm.Allgather(row, out)
         self.bytes_sent += row.nbytes * (self.size - 1)
         return out
 
@@ -132,10 +188,12 @@ class World:
         if t.device.type != "cpu" and not self.cuda_aware:
             h = self._host(t, "reduce")
             h.copy_(t.reshape(-1))
-            self.comm.Allreduce(self.MPI.IN_PLACE, h.numpy(), op=self.MPI.SUM)
+            with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
+                self.comm.Allreduce(self.MPI.IN_PLACE, h.numpy(), op=self.MPI.SUM)
             t.reshape(-1).copy_(h)
         else:
-            self.comm.Allreduce(self.MPI.IN_PLACE, self._as_buffer(t), op=self.MPI.SUM)
+            with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
+                self.comm.Allreduce(self.MPI.IN_PLACE, self._as_buffer(t), op=self.MPI.SUM)
         # what each rank sends in a bandwidth-optimal (ring) allreduce: 2 (N-1)/N of the buffer
         self.bytes_sent += int(2 * (self.size - 1) * t.numel() * t.element_size() // max(self.size, 1))
         return t
@@ -147,7 +205,8 @@ class World:
     def allreduce_scalar(self, value: float, op: str = "sum") -> float:
         buf = np.array([value], dtype=np.float64)
         mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
+        with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
         return float(buf[0])
 
     def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -179,7 +238,8 @@ class World:
         rows = np.ascontiguousarray(rows, dtype=np.float64)
         width = rows.shape[1] if rows.ndim == 2 else 0
         counts = np.empty(self.size, dtype=np.int64)
-        self.comm.Allgather(np.array([rows.size], dtype=np.int64), counts)
+        with self.watchdog.waiting("Allgather of log sizes (a collective: some rank has not arrived)"):
+            self.comm.Allgather(np.array([rows.size], dtype=np.int64), counts)
         if self.rank == root:
             recv = np.empty(int(counts.sum()), dtype=np.float64)
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -194,7 +254,7 @@ class World:
         got = self.allgather(np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8))
         bad = [r for r in range(self.size) if not np.array_equal(got[r], got[0])]
         if bad:
-            raise RuntimeError(f"ranks {bad} disagree with rank 0 on {what}")
+            raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
     def barrier(self) -> None:
         self.comm.Barrier()

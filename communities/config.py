@@ -192,6 +192,33 @@ class OutputConfig(_Section):
 class CommConfig(_Section):
     cuda_aware: bool = Field(False, description="pass device buffers to MPI directly")
     check_hashes: bool = Field(True, description="allgather a hash of exchange lists and communities each round")
+    timeout: float = Field(600.0, ge=0, description="seconds a rank may block in one MPI wait before the watchdog "
+                                                    "aborts the job naming who it waited for (0: no watchdog)")
+
+
+class RobustConfig(_Section):
+    """What to do with diverged and hostile ranks."""
+
+    diverged: Literal["reset", "quarantine"] = Field(
+        "reset", description="reset: a diverged rank takes its next partner's weights; quarantine: it is left out")
+    loss_factor: float = Field(10.0, gt=1, description="a unit loss above this x the first unit's counts as diverged")
+    enabled: bool = Field(False, description="drop outlier ranks (by signature) from exchanges, averages, consensus")
+    outlier_factor: float = Field(5.0, gt=1, description="outlier: signature farther than this x the median "
+                                                          "distance from the median signature")
+
+
+class FaultsConfig(_Section):
+    """Fault injection for testing the defences (chaos testing); off by default."""
+
+    nan_rank: Optional[int] = Field(None, ge=0, description="this rank's weights become NaN at unit nan_at")
+    nan_at: int = Field(1, ge=1)
+    hostile_rank: Optional[int] = Field(None, ge=0, description="this rank sends scaled or random weights")
+    hostile_kind: Literal["scale", "random"] = "scale"
+    hostile_scale: float = Field(100.0, gt=0)
+    slow_max: float = Field(0.0, ge=0, description="each unit, each rank sleeps a random [0, slow_max] seconds")
+    stall_rank: Optional[int] = Field(None, ge=0, description="this rank stops responding at unit stall_at")
+    stall_at: int = Field(1, ge=1)
+    stall_seconds: float = Field(3600.0, gt=0)
 
 
 class CheckpointConfig(_Section):
@@ -202,7 +229,7 @@ class CheckpointConfig(_Section):
 
 
 # Keys a resumed run may change: they do not alter what is computed up to the checkpoint.
-RESUME_MAY_CHANGE = ("train.budget", "output", "checkpoint", "comm.check_hashes", "consensus.stop",
+RESUME_MAY_CHANGE = ("train.budget", "output", "checkpoint", "comm.check_hashes", "comm.timeout", "consensus.stop",
                      "consensus.patience", "consensus.tol", "train.eval_every")
 
 
@@ -241,6 +268,8 @@ class Config(_Section):
     output: OutputConfig = OutputConfig()
     comm: CommConfig = CommConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    robust: RobustConfig = RobustConfig()
+    faults: FaultsConfig = FaultsConfig()
 
     def check_world(self, world: int) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
@@ -252,6 +281,10 @@ class Config(_Section):
             )
         if self.strategy == "community" and self.clustering.cut == "maxclust" and self.clustering.k.start > world:
             raise ConfigError(f"clustering.k.start={self.clustering.k.start} exceeds the world size {world}")
+        for key in ("nan_rank", "hostile_rank", "stall_rank"):
+            rank = getattr(self.faults, key)
+            if rank is not None and rank >= world:
+                raise ConfigError(f"faults.{key}={rank} is not a rank of a world of {world} (0..{world - 1})")
         if self.strategy in ("community", "gossip", "ring") and world < 2:
             raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
 

@@ -25,7 +25,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from . import checkpoint, clustering, data, merge, models, protocol, schedule, signature, strategies, train
+from . import checkpoint, clustering, data, merge, models, protocol, robust, schedule, signature, strategies, train
 from .comm import Stopwatch, World
 from .config import Config, ConfigError, differences
 from .exchange import swap_and_merge
@@ -33,7 +33,9 @@ from .results import ResultsError, RunWriter, atomic_write_bytes, atomic_write_j
 
 METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
 MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes", "event")
-EVENTS = ("merge", "average")  # a pairwise merge; a global Allreduce average (j = initiator = -1)
+# merges.jsonl events: a pairwise merge; a global Allreduce average (j = initiator = -1); kept my weights because
+# the partner diverged; took the partner's weights because I diverged; left alone because I am quarantined.
+EVENTS = ("merge", "average", "skip_diverged", "reset", "quarantined")
 RULE_CODES = {r: k for k, r in enumerate(merge.RULES)}
 
 USER_ERRORS = (ConfigError, data.DataError, models.ModelError, ResultsError, OSError)
@@ -122,6 +124,8 @@ class RankState:
     communities_per_round: List[int] = field(default_factory=list)
     first_ari: Optional[float] = None
     last_dispersion: float = float("nan")
+    first_loss: float = float("nan")
+    diverged: bool = False
 
 
 class Engine:
@@ -133,6 +137,7 @@ class Engine:
         self.rank, self.n = world.rank, world.size
         self.show_progress = progress and self.rank == 0
         collective_check(world, lambda: cfg.check_world(self.n))
+        world.set_timeout(cfg.comm.timeout)
         torch.set_num_threads(cfg.threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
         self.device = select_device(cfg, world)
@@ -151,6 +156,10 @@ class Engine:
         self._merges_logged = 0
         self._wall_before = 0.0  # wall time of earlier segments of a resumed run
         self._stop_signal = False
+        self.outliers = np.zeros(self.n, dtype=bool)  # robust: ranks left out, identical on every rank
+        f = cfg.faults
+        self.hostile = f.hostile_rank == self.rank
+        self._hostile_rng = torch.Generator().manual_seed(cfg.seed * 31 + 7)
         self.resumed_from = self._setup_output()
         if self.resumed_from is not None:
             self._restore(self.resumed_from)
@@ -295,10 +304,11 @@ class Engine:
         try:
             for t in range(st.t + 1, cfg.train.budget + 1):
                 st.t = t
+                self.world.watchdog.context = f"t={t}"
                 self._train(t)
                 if self.clock is not None:
                     initiators = self.clock.fire(t)
-                    plan = self.strategy.exchanges(t, initiators)
+                    plan = self.strategy.exchanges(t, initiators, excluded=self.outliers)
                     self._digest = protocol.digest(np.frombuffer(self._digest, dtype=np.uint8),
                                                    np.asarray(plan, dtype=np.int64).reshape(-1, 2))
                     for partner, (i, j) in protocol.my_exchanges(plan, self.rank):
@@ -419,8 +429,9 @@ class Engine:
                 "test_loss": st.test_loss, "update_norms": list(st.update_norms), "rounds": st.rounds,
                 "calm_rounds": st.calm_rounds, "consensus_t": st.consensus_t,
                 "communities_per_round": list(st.communities_per_round), "first_ari": st.first_ari,
-                "last_dispersion": st.last_dispersion,
+                "last_dispersion": st.last_dispersion, "first_loss": st.first_loss, "diverged": st.diverged,
             },
+            "outliers": torch.from_numpy(self.outliers.copy()),
         }
 
     def _restore(self, directory: Path) -> None:
@@ -453,15 +464,30 @@ class Engine:
         self._merges_logged = saved["merges_logged"]
         for key, value in saved["state"].items():
             setattr(self.state, key, value)
+        self.outliers = saved["outliers"].numpy().copy()
         self.state.t = saved["t"]
 
     def _train(self, t: int) -> None:
         cfg, st = self.cfg, self.state
+        f = cfg.faults
         with self.watch("train"):
             res = train.train_unit(self.model, self.opt, self.x, self.y, cfg.train, cfg.seed, self.rank, t,
                                    steps=self.unit_steps, grad_sync=self.grad_sync)
+            if f.slow_max > 0:
+                time.sleep(f.slow_max * protocol.rng(cfg.seed, protocol.SLOW, t, self.rank).random())
+        if f.stall_rank == self.rank and t == f.stall_at:
+            time.sleep(f.stall_seconds)
+        if f.nan_rank == self.rank and t == f.nan_at:
+            self.flat.fill_(float("nan"))
         st.samples += res.samples
         st.recent_loss = res.loss
+        if t == 1 or not math.isfinite(st.first_loss):
+            st.first_loss = res.loss
+        if not st.diverged and robust.is_diverged(float(self.flat.sum()), res.loss, st.first_loss,
+                                                  cfg.robust.loss_factor):
+            st.diverged = True
+            print(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be merged "
+                  f"into partners ({cfg.robust.diverged})", file=sys.stderr, flush=True)
         test_acc = test_loss = float("nan")
         if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
             with self.watch("eval"):
@@ -469,31 +495,78 @@ class Engine:
             st.test_acc, st.test_loss = test_acc, test_loss
         st.metric_rows.append([t, res.loss, res.accuracy, test_acc, test_loss, st.samples, self.world.bytes_sent])
 
+    def _outgoing(self) -> torch.Tensor:
+        """What this rank shows others: its weights, or a simulated Byzantine rank's lie."""
+        if not self.hostile:
+            return self.flat
+        f = self.cfg.faults
+        return robust.hostile_payload(self.flat, f.hostile_kind, f.hostile_scale, self._hostile_rng)
+
     def _exchange(self, t: int, partner: int, initiator: int) -> None:
-        """Swap flat weights with ``partner`` and apply the merge rule on both sides."""
+        """Swap flat weights with ``partner`` and apply the merge rule on both sides.
+
+        Both sides first swap a few float64 numbers (samples, loss, size, whether
+        they hold optimizer state, whether they diverged), so each decides the
+        same way what to do with the weights that follow.
+        """
         cfg, st = self.cfg, self.state
         mc = cfg.merge
         has_state = float(bool(self.opt.state)) if mc.optimizer_state == "average" else 0.0
-        meta = np.array([st.samples, st.recent_loss, float(self.flat.numel()), has_state], dtype=np.float64)
+        meta = np.array([st.samples, st.recent_loss, float(self.flat.numel()), has_state, float(st.diverged)],
+                        dtype=np.float64)
         sent0 = self.world.bytes_sent
         with self.watch("idle"):  # the partner may still be training: this is where we wait for it
             other = self.world.sendrecv_array(meta, partner, tag=1)
         if int(other[2]) != self.flat.numel():
             raise RuntimeError(f"rank {self.rank} holds {self.flat.numel()} weights but partner rank {partner} "
                                f"holds {int(other[2])}: the models differ")
+        me_bad, other_bad = st.diverged, bool(other[4])
         with self.watch("exchange"):
-            a = merge.coefficient(mc.rule, merge.Side(meta[0], meta[1]), merge.Side(other[0], other[1]),
-                                  mc.alpha, t, mc.ema)
-            before = self.flat.clone() if self.outer is not None else None
-            distance = swap_and_merge(self.world, self.flat, self.recv, partner, a)
-            if self.outer is not None:
+            if me_bad and not other_bad and cfg.robust.diverged == "reset":
+                a, event = 1.0, 3
+            elif me_bad:
+                a, event = 0.0, 4 if cfg.robust.diverged == "quarantine" else 2
+            elif other_bad:
+                a, event = 0.0, 2
+            else:
+                a, event = merge.coefficient(mc.rule, merge.Side(meta[0], meta[1]), merge.Side(other[0], other[1]),
+                                             mc.alpha, t, mc.ema), 0
+            before = self.flat.clone() if self.outer is not None and event == 0 else None
+            if self.hostile:
+                self.world.sendrecv(self._outgoing(), self.recv, partner, tag=2)
+                distance = float(torch.dist(self.flat, self.recv))
+                merge.interpolate_(self.flat, self.recv, a)
+            else:
+                distance = swap_and_merge(self.world, self.flat, self.recv, partner, a)
+            if before is not None:
                 self.outer.step_(before, self.flat)
                 update = float(torch.dist(self.flat, before))
             else:
-                update = a * distance
-            self._merge_optimizer_state(partner, a, has_state > 0 and other[3] > 0)
-        st.update_norms.append(update)
-        st.merge_rows.append([t, self.rank, partner, initiator, a, update, distance, self.world.bytes_sent - sent0, 0])
+                update = a * distance if a else 0.0
+            if event == 0:
+                self._merge_optimizer_state(partner, a, has_state > 0 and other[3] > 0)
+            elif event == 3:
+                self.opt.state.clear()  # moments of a diverged model are as bad as its weights
+                st.diverged = False
+        if event == 0:
+            st.update_norms.append(update)
+        st.merge_rows.append([t, self.rank, partner, initiator, a, update, distance, self.world.bytes_sent - sent0,
+                              event])
+
+    def _keep(self) -> bool:
+        """Whether this rank's weights count in averages and the consensus model."""
+        if self.outliers[self.rank]:
+            return False
+        return not (self.state.diverged and self.cfg.robust.diverged == "quarantine") and \
+            not (self.state.diverged and not torch.isfinite(self.flat).all())
+
+    def _masked_mean(self) -> torch.Tensor:
+        """Allreduce mean over the ranks that ``_keep``; equals the plain mean (bit for bit) when all do."""
+        keep = self._keep()
+        mean = self._outgoing().clone() if keep else torch.zeros_like(self.flat)
+        self.world.allreduce_sum_(mean)
+        count = self.world.allreduce_scalar(float(keep))
+        return mean.div_(count if count > 0 else self.n)
 
     def _global_average(self, t: int) -> None:
         """local_sgd: every rank takes the Allreduce mean; diloco: an outer step on the mean's pseudo-gradient."""
@@ -501,14 +574,21 @@ class Engine:
         sent0 = self.world.bytes_sent
         with self.watch("exchange"):
             before = self.flat.clone()
-            self.world.allreduce_mean_(self.recv.copy_(self.flat))
+            mean = self._masked_mean()
             if self.anchor is not None:
-                self.outer.step_(self.anchor, self.recv)  # recv <- anchor - lr * nesterov(anchor - mean)
-                self.anchor.copy_(self.recv)
-            self.flat.copy_(self.recv)
+                self.outer.step_(self.anchor, mean)  # mean <- anchor - lr * nesterov(anchor - mean)
+                self.anchor.copy_(mean)
+            event = 1
+            if st.diverged and self.cfg.robust.diverged == "quarantine":
+                event = 4
+            else:
+                if st.diverged:
+                    self.opt.state.clear()
+                    st.diverged, event = False, 3
+                self.flat.copy_(mean)
             update = float(torch.dist(self.flat, before))
         st.update_norms.append(update)
-        st.merge_rows.append([t, self.rank, -1, -1, 1.0, update, float("nan"), self.world.bytes_sent - sent0, 1])
+        st.merge_rows.append([t, self.rank, -1, -1, 1.0, update, float("nan"), self.world.bytes_sent - sent0, event])
 
     def _average_gradients(self) -> None:
         """allreduce: one Allreduce of the flat gradient buffer per step."""
@@ -539,7 +619,7 @@ class Engine:
         """Allgather signatures, cluster, update the law, log the round; returns the stop decision."""
         cfg, st = self.cfg, self.state
         with self.watch("signature"):
-            sig = self.signer(self.flat[: self.n_params])
+            sig = self.signer(self._outgoing()[: self.n_params])
         with self.watch("idle"):
             if cfg.signature.overlap:
                 previous = self._pending
@@ -547,11 +627,16 @@ class Engine:
                 if previous is None:
                     self._flush_logs()
                     return False
-                previous[0].Wait()
+                with self.world.watchdog.waiting("Iallgather of signatures (some rank has not arrived)"):
+                    previous[0].Wait()
                 S = previous[1]
             else:
                 S = self.world.allgather(sig)
         with self.watch("signature"):
+            raw = S
+            if cfg.robust.enabled:
+                self.outliers = robust.outliers(raw, cfg.robust.outlier_factor)
+            S = robust.sanitize(raw)
             cc = cfg.clustering
             k = int(round(schedule.evaluate(cc.k, t))) if cc.cut == "maxclust" else None
             com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
@@ -559,9 +644,11 @@ class Engine:
                                               min_silhouette=cc.min_silhouette,
                                               min_separation=cc.min_separation)
             self.strategy.observe(com)
-            disp = signature.dispersion(S)
+            counted = np.isfinite(raw).all(axis=1) & ~self.outliers
+            disp = signature.dispersion(S[counted]) if counted.sum() >= 2 else float("nan")
             law = self.strategy.law(t)
-            self._digest = protocol.digest(np.frombuffer(self._digest, dtype=np.uint8), com.labels, com.Z, S)
+            self._digest = protocol.digest(np.frombuffer(self._digest, dtype=np.uint8), com.labels, com.Z, S,
+                                           self.outliers)
         if cfg.comm.check_hashes:
             with self.watch("idle"):
                 self.world.agree(self._digest, f"the exchange lists and communities up to t={t}")
@@ -575,7 +662,7 @@ class Engine:
             if st.first_ari is None:
                 st.first_ari = ari
         # consensus: every rank decides identically from the same gathered signatures
-        if self.strategy.annealed(t) and disp < cfg.consensus.tol:
+        if self.strategy.annealed(t) and math.isfinite(disp) and disp < cfg.consensus.tol:
             st.calm_rounds += 1
         else:
             st.calm_rounds = 0
@@ -589,7 +676,8 @@ class Engine:
             "p_cross": law.p_cross if law is not None and law.kind == "flat" else None,
             "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
             "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
-            "dispersion": disp, "ari": ari, "hash": self._digest.hex(),
+            "dispersion": _num(disp), "ari": ari, "hash": self._digest.hex(),
+            "outliers": np.flatnonzero(self.outliers).tolist() if cfg.robust.enabled else None,
         }
         self._flush_logs(info, S, com)
         st.rounds += 1
@@ -636,9 +724,7 @@ class Engine:
     # ------------------------------------------------------------------ consensus model
 
     def _consensus_flat(self) -> torch.Tensor:
-        mean = self.flat.clone()
-        self.world.allreduce_mean_(mean)
-        return mean
+        return self._masked_mean()
 
     def _evaluate_flat(self, flat: torch.Tensor):
         saved = self.flat.clone()

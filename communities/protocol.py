@@ -17,7 +17,7 @@ from typing import Callable, List, Sequence, Tuple
 import numpy as np
 
 # purposes: distinct streams for distinct decisions
-TIMER, PARTNER, SHUFFLE, INIT, HOSTILE = 1, 2, 3, 4, 5
+TIMER, PARTNER, SHUFFLE, INIT, HOSTILE, SLOW = 1, 2, 3, 4, 5, 6
 
 Exchange = Tuple[int, int]  # (initiator, partner)
 
@@ -62,6 +62,8 @@ def exchange_list(
     out: List[Exchange] = []
     for i in sorted(int(x) for x in initiators):
         p = probabilities(i)
+        if not p.sum() > 0:  # nobody eligible (every other rank excluded)
+            continue
         j = draw(p, rng(seed, PARTNER, t, i))
         if j != i:
             out.append((i, j))

@@ -64,11 +64,22 @@ class Strategy:
     def law(self, t: int) -> Optional[Law]:
         return Law("uniform", self.n)
 
-    def exchanges(self, t: int, initiators: np.ndarray) -> List[protocol.Exchange]:
+    def exchanges(self, t: int, initiators: np.ndarray, excluded: Optional[np.ndarray] = None
+                  ) -> List[protocol.Exchange]:
+        """Unit t's ordered exchange list; ``excluded`` ranks (robust outliers) neither start nor receive one."""
         law = self.law(t)
         if law is None or len(initiators) == 0:
             return []
-        return protocol.exchange_list(initiators, t, self.cfg.seed, law.probabilities)
+        probabilities = law.probabilities
+        if excluded is not None and excluded.any():
+            initiators = [i for i in initiators if not excluded[i]]
+
+            def probabilities(i, _p=law.probabilities):
+                p = np.where(excluded, 0.0, _p(i))
+                total = p.sum()
+                return p / total if total > 0 else p
+
+        return protocol.exchange_list(initiators, t, self.cfg.seed, probabilities)
 
     def annealed(self, t: int) -> bool:
         """True once partner choice has reached its final (uniform) law."""
@@ -104,8 +115,12 @@ class GossipStrategy(Strategy):
 class RingStrategy(Strategy):
     name = "ring"
 
-    def exchanges(self, t: int, initiators: np.ndarray) -> List[protocol.Exchange]:
-        return [(int(i), partners.ring_partner(int(i), self.n, t)) for i in sorted(initiators)]
+    def exchanges(self, t: int, initiators: np.ndarray, excluded: Optional[np.ndarray] = None
+                  ) -> List[protocol.Exchange]:
+        pairs = [(int(i), partners.ring_partner(int(i), self.n, t)) for i in sorted(initiators)]
+        if excluded is not None and excluded.any():
+            pairs = [(i, j) for i, j in pairs if not excluded[i] and not excluded[j]]
+        return pairs
 
 
 class IsolatedStrategy(Strategy):
