@@ -214,11 +214,19 @@ class FaultsConfig(_Section):
     nan_at: int = Field(1, ge=1)
     hostile_rank: Optional[int] = Field(None, ge=0, description="this rank sends scaled or random weights")
     hostile_kind: Literal["scale", "random"] = "scale"
-    hostile_scale: float = Field(100.0, gt=0)
+    hostile_scale: float = Field(-10.0, description="scale attack factor; negative flips the sign (a ReLU net "
+                                                   "predicts almost the same with positively scaled weights)")
     slow_max: float = Field(0.0, ge=0, description="each unit, each rank sleeps a random [0, slow_max] seconds")
     stall_rank: Optional[int] = Field(None, ge=0, description="this rank stops responding at unit stall_at")
     stall_at: int = Field(1, ge=1)
     stall_seconds: float = Field(3600.0, gt=0)
+
+
+    @model_validator(mode="after")
+    def _nonzero_scale(self):
+        if self.hostile_scale == 0:
+            raise ValueError("faults.hostile_scale must be non-zero")
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -148,7 +148,7 @@ class Engine:
         self._overwrite = overwrite
         self._resume = resume  # False, True (--resume) or "auto" (a SLURM restart)
         self.strategy = strategies.make(cfg, self.n)
-        self._setup_data()
+        on_every_rank(world, self._setup_data)
         self._setup_model()
         self.clock = protocol.MergeClock(self.n, cfg.seed, cfg.merge.lam) if self.strategy.pairwise else None
         self._digest = b""
@@ -180,13 +180,18 @@ class Engine:
         self.x_test = torch.as_tensor(ds.x_test).to(self.device)
         self.y_test = torch.as_tensor(ds.y_test).to(self.device)
 
-    def _setup_model(self) -> None:
+    def _build_model(self):
         cfg = self.cfg
         init_seed = cfg.seed if cfg.model.init == "shared" else cfg.seed * 7919 + 1 + self.rank
         torch.manual_seed(init_seed)
         model = models.build(cfg.model, self.dataset.input_shape, self.dataset.n_classes).to(self.device)
         models.check_output(model, self.x_test[:4], self.dataset.n_classes, cfg.model.name)
         flat, n_params = models.flatten_(model)
+        return model, flat, n_params
+
+    def _setup_model(self) -> None:
+        cfg = self.cfg
+        model, flat, n_params = on_every_rank(self.world, self._build_model)
         shapes = models.shape_signature(model)
         self.world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
                          f"model parameter shapes and dtypes (this rank: {len(flat)} values)")
@@ -436,7 +441,7 @@ class Engine:
 
     def _restore(self, directory: Path) -> None:
         """Load this rank's checkpoint file; the loop then continues at t + 1 exactly as it would have."""
-        saved = collective_load(self.world, lambda: checkpoint.load_rank(directory, self.rank))
+        saved = on_every_rank(self.world, lambda: checkpoint.load_rank(directory, self.rank))
         if saved["rank"] != self.rank or saved["world_size"] != self.n or saved["flat"].numel() != self.flat.numel():
             raise ResultsError(f"{checkpoint.rank_file(directory, self.rank)}: written for rank {saved['rank']} of "
                                f"{saved['world_size']} with {saved['flat'].numel()} weights; this is rank {self.rank} "
@@ -823,17 +828,27 @@ class _Done:
         return None
 
 
-def collective_load(world: World, fn):
-    """Run ``fn`` on every rank; if it fails anywhere, every rank raises one error naming each failure."""
+def on_every_rank(world: World, fn):
+    """Run local (collective-free) ``fn`` on every rank; a user error anywhere is raised on every rank.
+
+    The error names each failing rank and its message, so rank 0 can print it
+    once and every rank can exit 2 instead of some waiting forever.
+    """
     out, err = None, None
     try:
         out = fn()
     except USER_ERRORS as exc:
         err = exc
     messages = world.allgather_text("" if err is None else str(err))
-    failures = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
-    if failures:
-        raise collective(ResultsError("; ".join(failures)))
+    by_message: dict = {}
+    for r, m in enumerate(messages):
+        if m:
+            by_message.setdefault(m, []).append(r)
+    if by_message:
+        if len(by_message) == 1 and len(next(iter(by_message.values()))) == world.size:
+            raise collective(ResultsError(next(iter(by_message))))  # the same failure everywhere
+        raise collective(ResultsError("; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
+                                                for m, r in by_message.items())))
     return out
 
 

@@ -10,3 +10,19 @@ def fails_on_rank_1():
         raise RuntimeError("injected failure on rank 1")
     rng = np.random.default_rng(0)
     return rng.normal(size=(200, 4)), rng.integers(0, 2, 200), rng.normal(size=(50, 4)), rng.integers(0, 2, 50)
+
+
+def model_differs_on_rank_1(input_shape, n_classes):
+    """A user model whose shape depends on the rank: start-up must name the rank."""
+    import torch
+    from mpi4py import MPI
+
+    width = 9 if MPI.COMM_WORLD.Get_rank() == 1 else 8
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(input_shape[0], width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, n_classes))
+
+
+def wrong_logits(input_shape, n_classes):
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(input_shape[0], n_classes + 1))
