@@ -15,6 +15,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["communities", "communities.*"]),
+    # templates/slurm.sbatch links to launch/slurm.sbatch, the one batch-script template
+    package_data={"communities": ["templates/*.sbatch"]},
     python_requires=">=3.9",
     install_requires=[
         # A lower bound only: users keep the torch build (CUDA/ROCm/CPU) they have.

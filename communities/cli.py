@@ -1,4 +1,4 @@
-"""Command line: ``communities run | validate | inspect``.
+"""Command line: ``communities run | validate | inspect | compare | bench | slurm``.
 
 ``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
 process. Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by
@@ -11,12 +11,20 @@ traceback and aborts the whole MPI job, so nothing hangs.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
 from typing import List, Optional
 
 EXIT_USER = 2
+# Commands with their own argument parsers (they need neither MPI nor, for inspect, torch).
+DELEGATED = {
+    "inspect": (".inspection", "main_inspect"),
+    "compare": (".compare", "main_compare"),
+    "bench": (".bench", "main_bench"),
+    "slurm": (".slurm", "main_slurm"),
+}
 
 
 def _run_parser(sub) -> None:
@@ -44,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _validate_parser(sub)
-    sub.add_parser("inspect", help="dendrograms, timeline and report of finished runs", add_help=False)
+    sub.add_parser("inspect", help="dendrograms, timeline and report of runs: inspect RUN_DIR [RUN_DIR ...]",
+                   add_help=False)
+    sub.add_parser("compare", help="run a config under several strategies and seeds: compare SPEC.yaml",
+                   add_help=False)
+    sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | overhead", add_help=False)
+    sub.add_parser("slurm", help="write (and --submit) an sbatch script for a config", add_help=False)
     return parser
 
 
@@ -96,10 +109,9 @@ def cmd_run(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "inspect":
-        from .inspection import main_inspect
-
-        return main_inspect(argv[1:])
+    if argv and argv[0] in DELEGATED:
+        module, function = DELEGATED[argv[0]]
+        return getattr(importlib.import_module(module, __package__), function)(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow options (``run cfg.yaml --overwrite train.lr=0.1``)

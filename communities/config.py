@@ -233,7 +233,8 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="units between checkpoints (0: only at the end and on a stop signal)")
     at_end: bool = True
     keep: int = Field(1, ge=0, description="complete checkpoints kept besides the newest")
-    requeue: bool = Field(True, description="on a stop signal under SLURM, rank 0 runs scontrol requeue")
+    requeue: bool = Field(False, description="on a stop signal under SLURM, rank 0 runs scontrol requeue itself "
+                                             "(launch/slurm.sbatch requeues after the ranks exit instead)")
 
 
 # Keys a resumed run may change: they do not alter what is computed up to the checkpoint.
@@ -264,7 +265,7 @@ class Config(_Section):
     strategy: Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"] = "community"
     world_size: Optional[int] = Field(None, ge=1, description="expected MPI world size; null accepts any")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    threads: int = Field(1, ge=1, description="torch threads per rank")
+    threads: Optional[int] = Field(None, ge=1, description="torch threads per rank; null: OMP_NUM_THREADS, else 1")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()

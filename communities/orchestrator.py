@@ -138,7 +138,7 @@ class Engine:
         self.show_progress = progress and self.rank == 0
         collective_check(world, lambda: cfg.check_world(self.n))
         world.set_timeout(cfg.comm.timeout)
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.threads or _env_threads())
         torch.use_deterministic_algorithms(True, warn_only=True)
         self.device = select_device(cfg, world)
         self.watch = Stopwatch()
@@ -335,10 +335,16 @@ class Engine:
             self._final_eval()
             if cfg.checkpoint.at_end:
                 self._checkpoint(st.t, final=True)
-            return self._finish()
-        finally:
+            summary = self._finish()
+        except Preempted:
+            # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
+            # they are exiting, and they must still exit 75 rather than die of the signal.
+            raise
+        else:
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
+            return summary
+        finally:
             if bar is not None:
                 bar.close()
 
@@ -850,6 +856,12 @@ def on_every_rank(world: World, fn):
         raise collective(ResultsError("; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
                                                 for m, r in by_message.items())))
     return out
+
+
+def _env_threads() -> int:
+    """Threads per rank when the config leaves ``threads`` unset: OMP_NUM_THREADS (SLURM's --cpus-per-task)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def _num(x: float) -> Optional[float]:

@@ -38,6 +38,16 @@ class ResultsError(RuntimeError):
 
 ROUND_FILES = ("signatures.npy", "Z.npy", "labels.npy", "round.json")
 
+# Files a batch system puts in a run directory before the run starts (``communities slurm``
+# writes job.sbatch there and points the job's log at slurm-<jobid>.out). They do not make the
+# directory "an existing run", and --overwrite (or a requeued job starting over) keeps them:
+# the log is open in slurmstepd and the script is what the user resubmits.
+LAUNCHER_FILES = ("job.sbatch", "slurm-*.out", "slurm-*.err")
+
+
+def _is_launcher_file(path: Path) -> bool:
+    return path.is_file() and any(path.match(pattern) for pattern in LAUNCHER_FILES)
+
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -100,13 +110,15 @@ class RunWriter:
 
     def __init__(self, root: Path, overwrite: bool = False, resume: bool = False):
         self.root = Path(root)
-        if self.root.exists() and any(self.root.iterdir()) and not (overwrite or resume):
+        content = [p for p in self.root.iterdir() if not _is_launcher_file(p)] if self.root.exists() else []
+        if content and not (overwrite or resume):
             raise ResultsError(
                 f"run directory {str(self.root)!r} already exists; pass --overwrite to replace it "
                 "or --resume to continue it"
             )
-        if self.root.exists() and overwrite and not resume:
-            shutil.rmtree(self.root)
+        if overwrite and not resume:
+            for p in content:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (self.root / "rounds").mkdir(parents=True, exist_ok=True)
         self._jsonl: Dict[str, Any] = {}
 

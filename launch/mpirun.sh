@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# communities without a batch system: start NP ranks of `communities run` on this machine.
+#
+#   launch/mpirun.sh NP CONFIG [key.path=value ...] [--overwrite | --resume]
+#   launch/mpirun.sh 8 configs/quickstart.yaml merge.rule=clock
+#   PYTHON=.venv/bin/python launch/mpirun.sh 4 configs/mnist1d.yaml
+#
+# It uses the mpiexec next to the Python in use (PYTHON, else the first python3 on PATH),
+# which is the one that belongs to mpi4py's MPI when mpi4py came with the `mpich` wheel,
+# else the mpiexec/mpirun on PATH. Open MPI gets --oversubscribe (more ranks than cores)
+# and, as root, --allow-run-as-root. OMP_NUM_THREADS defaults to 1 per rank, so NP ranks
+# do not each start one thread per core. MPIEXEC_ARGS adds launcher options, e.g.
+# MPIEXEC_ARGS="-hosts node1,node2". Stop a run cleanly (checkpoint, exit 75) with
+# `kill -USR1 <mpiexec pid>` or `touch results/<name>/STOP`; continue it with --resume.
+set -euo pipefail
+if (($# < 2)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
+    sed -n '2,7s/^# \{0,1\}//p' "$0" >&2
+    exit 2
+fi
+NP=$1
+shift
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+PYTHON=$(command -v "$PYTHON")
+MPIEXEC=$(dirname "$PYTHON")/mpiexec
+if [[ ! -x $MPIEXEC ]]; then
+    MPIEXEC=$(command -v mpiexec || command -v mpirun) || { echo "mpirun.sh: no mpiexec next to $PYTHON nor on PATH" >&2; exit 2; }
+fi
+LAUNCH=("$MPIEXEC" -n "$NP")
+if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
+    LAUNCH+=(--oversubscribe)
+    ((EUID == 0)) && LAUNCH+=(--allow-run-as-root)
+fi
+read -r -a EXTRA <<<"${MPIEXEC_ARGS:-}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "${LAUNCH[@]}" ${EXTRA[@]+"${EXTRA[@]}"} "$PYTHON" -m communities run "$@"
