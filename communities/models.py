@@ -61,6 +61,11 @@ class CNN1D(nn.Module):
         return self.head(h.flatten(1))
 
 
+def init_seed(seed: int, rank: int, init: str) -> int:
+    """The torch seed a rank builds its model with: shared (rank 0's is broadcast anyway) or per rank."""
+    return seed if init == "shared" else seed * 7919 + 1 + rank
+
+
 def build(cfg, input_shape: Tuple[int, ...], n_classes: int) -> nn.Module:
     """The model named by ``cfg`` (a ModelConfig)."""
     features = 1

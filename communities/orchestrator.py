@@ -29,7 +29,7 @@ from . import checkpoint, clustering, data, merge, models, protocol, robust, sch
 from .comm import Stopwatch, World
 from .config import Config, ConfigError, differences
 from .exchange import swap_and_merge
-from .results import ResultsError, RunWriter, atomic_write_bytes, atomic_write_json, read_json, read_jsonl, repair_jsonl
+from .results import ResultsError, RunWriter, atomic_write_bytes, read_json, read_jsonl, repair_jsonl
 
 METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
 MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes", "event")
@@ -182,8 +182,7 @@ class Engine:
 
     def _build_model(self):
         cfg = self.cfg
-        init_seed = cfg.seed if cfg.model.init == "shared" else cfg.seed * 7919 + 1 + self.rank
-        torch.manual_seed(init_seed)
+        torch.manual_seed(models.init_seed(cfg.seed, self.rank, cfg.model.init))
         model = models.build(cfg.model, self.dataset.input_shape, self.dataset.n_classes).to(self.device)
         models.check_output(model, self.x_test[:4], self.dataset.n_classes, cfg.model.name)
         flat, n_params = models.flatten_(model)
@@ -680,7 +679,6 @@ class Engine:
         reached = st.calm_rounds >= cfg.consensus.patience
         if reached and st.consensus_t is None:
             st.consensus_t = t
-        norms = st.update_norms
         info = {
             "round": st.rounds, "t": t, "n_communities": com.count,
             "law": law.kind if law is not None else None, "k": k,

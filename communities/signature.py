@@ -20,8 +20,6 @@ the drift itself is never materialised.
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import numpy as np
 import torch
 

@@ -70,16 +70,16 @@ class Strategy:
         law = self.law(t)
         if law is None or len(initiators) == 0:
             return []
-        probabilities = law.probabilities
-        if excluded is not None and excluded.any():
-            initiators = [i for i in initiators if not excluded[i]]
+        if excluded is None or not excluded.any():
+            return protocol.exchange_list(initiators, t, self.cfg.seed, law.probabilities)
+        initiators = [i for i in initiators if not excluded[i]]
 
-            def probabilities(i, _p=law.probabilities):
-                p = np.where(excluded, 0.0, _p(i))
-                total = p.sum()
-                return p / total if total > 0 else p
+        def eligible(i):
+            p = np.where(excluded, 0.0, law.probabilities(i))
+            total = p.sum()
+            return p / total if total > 0 else p
 
-        return protocol.exchange_list(initiators, t, self.cfg.seed, probabilities)
+        return protocol.exchange_list(initiators, t, self.cfg.seed, eligible)
 
     def annealed(self, t: int) -> bool:
         """True once partner choice has reached its final (uniform) law."""

@@ -70,6 +70,27 @@ def run_engine(n: int, config: str, tmp_path: Path, *overrides, timeout: float =
     return run_mpi(n, args, timeout=timeout, check=check)
 
 
+def initial_mean_and_final(config_path: Path, n: int, run_dir: Path):
+    """(mean of the n per-rank initial weights, the run's consensus parameters, mean spread), float64."""
+    import torch
+
+    from communities import config, data, models
+
+    cfg = config.load(config_path, ["model.init=per_rank"])
+    ds = data.load(cfg.data, cfg.seed)
+    inits = []
+    for rank in range(n):
+        torch.manual_seed(models.init_seed(cfg.seed, rank, "per_rank"))
+        flat, n_params = models.flatten_(models.build(cfg.model, ds.input_shape, ds.n_classes))
+        inits.append(flat[:n_params].double())
+    mean0 = torch.stack(inits).mean(0)
+    spread0 = float(torch.stack([torch.dist(w, mean0) for w in inits]).mean() / mean0.norm())
+    w = torch.load(run_dir / "consensus.pt", weights_only=True)
+    names = [k for k, _ in models.build(cfg.model, ds.input_shape, ds.n_classes).named_parameters()]
+    final = torch.cat([w[k].reshape(-1) for k in names]).double()
+    return mean0, final, spread0
+
+
 @pytest.fixture
 def tiny_config(tmp_path) -> Path:
     """A config that trains in seconds: synthetic data, small MLP, 2 planted groups."""

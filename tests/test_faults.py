@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from communities import config, data, models
 from communities.results import open_run
 
-from .conftest import run_engine
+from .conftest import initial_mean_and_final, run_engine
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -97,15 +96,5 @@ def test_stress_16_ranks_slowdowns_conserve_the_mean(tmp_path, tiny_config):
                "train.steps_per_unit=1", "signature.every=10", timeout=600)
     run = open_run(tmp_path / "tiny")
     assert run.summary["merges"] >= 500
-    cfg = config.load(tmp_path / "tiny.yaml", ["model.init=per_rank"])
-    ds = data.load(cfg.data, cfg.seed)
-    inits = []
-    for rank in range(n):
-        torch.manual_seed(cfg.seed * 7919 + 1 + rank)
-        flat, _ = models.flatten_(models.build(cfg.model, ds.input_shape, ds.n_classes))
-        inits.append(flat.double())
-    mean0 = torch.stack(inits).mean(0)
-    w = torch.load(tmp_path / "tiny" / "consensus.pt", weights_only=True)
-    names = [k for k, _ in models.build(cfg.model, ds.input_shape, ds.n_classes).named_parameters()]
-    final = torch.cat([w[k].reshape(-1) for k in names]).double()
-    assert torch.allclose(final, mean0[: final.numel()], atol=1e-5)
+    mean0, final, _ = initial_mean_and_final(tmp_path / "tiny.yaml", n, tmp_path / "tiny")
+    assert torch.allclose(final, mean0, atol=1e-5)
