@@ -28,7 +28,7 @@ import torch
 from . import checkpoint, clustering, data, merge, models, protocol, robust, schedule, signature, strategies, train
 from .comm import Stopwatch, World
 from .config import Config, ConfigError, differences
-from .exchange import swap_and_merge
+from .exchange import MERGE_BLOCK, swap_and_merge_blocked
 from .results import ResultsError, RunWriter, atomic_write_bytes, read_json, read_jsonl, repair_jsonl
 
 METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
@@ -199,6 +199,7 @@ class Engine:
         torch.manual_seed(cfg.seed * 104729 + self.rank)  # dropout and other stochastic layers
         self.model, self.flat, self.n_params = model, flat, n_params
         self.recv = torch.empty_like(flat)
+        self._scratch = torch.empty(min(MERGE_BLOCK, flat.numel()), dtype=flat.dtype) if flat.device.type == "cpu" else None
         self.opt = train.make_optimizer(cfg.train, model.parameters())
         sk = signature.make_sketch(cfg.signature.kind, n_params, cfg.signature.dim, cfg.seed, self.device, flat.dtype)
         ref = sk(flat[:n_params]).numpy() if self.rank == 0 else None
@@ -547,7 +548,7 @@ class Engine:
                 distance = float(torch.dist(self.flat, self.recv))
                 merge.interpolate_(self.flat, self.recv, a)
             else:
-                distance = swap_and_merge(self.world, self.flat, self.recv, partner, a)
+                distance = swap_and_merge_blocked(self.world, self.flat, self.recv, partner, a, scratch=self._scratch)
             if before is not None:
                 self.outer.step_(before, self.flat)
                 update = float(torch.dist(self.flat, before))

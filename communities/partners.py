@@ -37,13 +37,18 @@ def cophenetic_heights(Z: np.ndarray) -> np.ndarray:
 
 
 def condensed_row(condensed: np.ndarray, n: int, i: int) -> np.ndarray:
-    """Row i of the square matrix behind a condensed distance vector (0 on the diagonal)."""
-    j = np.arange(n)
-    a, b = np.minimum(i, j), np.maximum(i, j)
-    idx = n * a - a * (a + 1) // 2 + (b - a - 1)
+    """Row i of the square matrix behind a condensed distance vector (0 on the diagonal).
+
+    The entries right of the diagonal are one contiguous slice of the condensed
+    vector; only those left of it need an index each.
+    """
     row = np.zeros(n, dtype=np.float64)
-    mask = j != i
-    row[mask] = condensed[idx[mask]]
+    if i > 0:
+        j = np.arange(i)
+        row[:i] = condensed[n * j - j * (j + 1) // 2 + (i - j - 1)]
+    if i < n - 1:
+        start = n * i - i * (i + 1) // 2
+        row[i + 1:] = condensed[start: start + n - i - 1]
     return row
 
 

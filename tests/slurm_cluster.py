@@ -84,6 +84,12 @@ class Cluster:
                  "PREEMPTED")
         return self.wait(job, lambda js: all(j.get("JobState") in ended for j in js), timeout, "the job to end")
 
+    def node_idle(self) -> bool:
+        """True when every node is idle: no job running or still completing on it."""
+        res = self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False)
+        states = res.stdout.split()
+        return bool(states) and all(s == "idle" for s in states)
+
     def logs(self, lines: int = 30) -> str:
         out = []
         for f in (self.dir / "log" / "slurmctld.log", self.dir / "log" / "slurmd.log"):

@@ -206,12 +206,16 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
         first[-3000:]
     stopped_at = int(re.search(r"stopped at t=(\d+)", first).group(1))
     assert 0 < stopped_at < 200
-    c.wait(job, lambda js: js[0].get("JobState") == "PENDING" or js[0].get("JobState") == "RUNNING"
-           or js[0].get("JobState") == "COMPLETED", timeout=120, what="the requeued job to be pending")
+    # Release the hold only once slurmd has finished tearing down the first attempt (node idle, not
+    # completing): a batch launch onto a node still cleaning up the same job id fails the job.
+    c.wait(job, lambda js: js[0].get("JobState") in ("PENDING", "RUNNING", "COMPLETED") and c.node_idle(),
+           timeout=180, what="the requeued job to be pending on an idle node")
     if c.job(job).get("JobState") == "PENDING":
         c.cmd("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     [info] = c.wait_done(job, timeout=300)
     text = log.read_text()
+    if info.get("JobState") != "COMPLETED":
+        text += f"\n--- scontrol show job {job}\n{info}\n{c.logs()}"
     print(f"\nreference run {t_ref:.1f}s; job {job}: signalled after a checkpoint, stopped at t={stopped_at}, "
           f"requeued {t_requeue:.1f}s later, {info['JobState']} exit {info['ExitCode']} Restarts={info['Restarts']}; "
           f"total {time.monotonic() - t0:.1f}s")

@@ -1,0 +1,787 @@
+"""Benchmarks: ``communities bench exchange | signature | clustering | overhead``.
+
+Each prints a table of measured figures (and writes them with ``--json PATH``).
+Nothing here asserts a speed: targets are printed next to the figures so a
+reader can judge them on their own machine.
+
+- ``exchange`` (under ``mpiexec -n 2``, or any even number of ranks paired
+  0-1, 2-3, ...): the engine's pairwise exchange ``exchange.swap_and_merge_blocked``
+  against a raw mpi4py ``Sendrecv`` of the same bytes, plus its variants.
+- ``signature``: count-sketch and Gaussian signature throughput against
+  ``torch.sum`` over the same buffer, peak memory overhead, distance distortion.
+- ``clustering``: linkage + cut + partner law + partner draws for all ranks.
+- ``overhead``: real engine runs; the orchestration share of wall time, and with
+  ``--profile`` where the signature rounds spend it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1 << 20
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fmt_table(header: Sequence[str], rows: Sequence[Sequence], align: Optional[str] = None) -> str:
+    """A plain-text table; ``align`` holds one 'l' or 'r' per column (default: first left, rest right)."""
+    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    align = align or ("l" + "r" * (len(header) - 1))
+    out = []
+    for k, r in enumerate(cells):
+        out.append("  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _write_json(path: Optional[str], obj) -> None:
+    if path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(obj, indent=2) + "\n")
+        print(f"wrote {p}")
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _proc_status() -> Dict[str, int]:
+    """VmRSS/VmHWM of this process in bytes, from /proc/self/status (Linux)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _machine() -> str:
+    """CPUs and load average: other jobs on the machine skew every figure here."""
+    try:
+        load = open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        load = ["?"] * 3
+    return f"{os.cpu_count()} CPUs, load average {' '.join(load)} (1/5/15 min) at start"
+
+
+def _mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    import shutil
+
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise SystemExit("communities bench: no mpiexec next to the interpreter or on PATH (use --mpiexec)")
+    return found
+
+
+# =========================================================================== exchange
+
+
+def _pipelined_swap_and_merge(world, flat, recv, peer: int, a: float, chunk: int, tag: int = 2) -> float:
+    """Chunked Isend/Irecv with chunk k merged while chunk k+1 is in flight (measured, not used by the engine)."""
+    import torch
+
+    from . import merge
+
+    MPI = world.MPI
+    n = flat.numel()
+    fa, ra = flat.numpy(), recv.numpy()
+    bounds = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
+
+    def post(k):
+        lo, hi = bounds[k]
+        return [world.comm.Irecv(ra[lo:hi], source=peer, tag=tag), world.comm.Isend(fa[lo:hi], dest=peer, tag=tag)]
+
+    total = 0.0
+    scratch = torch.empty(min(chunk, n), dtype=flat.dtype)
+    reqs = post(0)
+    for k, (lo, hi) in enumerate(bounds):
+        nxt = post(k + 1) if k + 1 < len(bounds) else []
+        MPI.Request.Waitall(reqs)  # chunk k received, and our chunk k sent: safe to overwrite it
+        f, r, s = flat[lo:hi], recv[lo:hi], scratch[: hi - lo]
+        torch.sub(r, f, out=s)
+        total += float(torch.dot(s, s))
+        merge.interpolate_(f, r, a)
+        reqs = nxt
+    world.bytes_sent += n * flat.element_size()
+    return math.sqrt(total)
+
+
+def bench_exchange(args) -> int:
+    import numpy as np
+    import torch
+
+    from . import exchange, merge
+    from .comm import World
+
+    torch.set_num_threads(args.threads)
+    world = World(timeout=600.0)  # armed as in the engine (comm.timeout's default)
+    comm = world.comm
+    if world.size < 2 or world.size % 2:
+        if world.rank == 0:
+            print("communities bench exchange: run it under mpiexec with an even number of ranks, e.g. "
+                  "mpiexec -n 2 python -m communities.bench exchange", file=sys.stderr)
+        return 2
+    peer = world.rank ^ 1
+    lead = world.rank == 0
+    machine = _machine()
+
+    def timed(fn, reps: int, warmup: int) -> Dict[str, float]:
+        """Median over reps of the slowest rank's time (each rep starts after a barrier)."""
+        for _ in range(warmup):
+            fn()
+        worst = []
+        for _ in range(reps):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            worst.append(world.allreduce_scalar(dt, op="max"))
+        return {"median_s": _median(worst), "min_s": min(worst), "max_s": max(worst)}
+
+    def local(fn, reps: int, warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return world.allreduce_scalar(_median(ts), op="max")
+
+    # correctness first: a = 0.5 leaves both ranks of a pair holding the pair's mean
+    gen = torch.Generator().manual_seed(1234)
+    base = [torch.randn(100_003, generator=gen) for _ in range(2)]
+    mine, theirs = base[world.rank % 2], base[1 - world.rank % 2]
+    checks = {}
+    for label, fn in (("swap_and_merge", exchange.swap_and_merge),
+                      ("swap_and_merge_blocked", exchange.swap_and_merge_blocked)):
+        f, r = mine.clone(), torch.empty_like(mine)
+        d = fn(world, f, r, peer, 0.5)
+        ref = mine.clone()
+        merge.interpolate_(ref, theirs, 0.5)
+        mean = (mine.double() + theirs.double()) / 2
+        checks[label] = {"equals_reference_merge": bool(torch.equal(f, ref)),
+                         "max_err_vs_mean": float((f.double() - mean).abs().max()),
+                         "distance_rel_err": abs(d - float(torch.dist(mine.double(), theirs.double())))
+                         / float(torch.dist(mine.double(), theirs.double()))}
+    ok = all(c["equals_reference_merge"] and c["max_err_vs_mean"] < 1e-6 for c in checks.values())
+    ok = world.allreduce_scalar(float(ok), op="min") > 0  # buffers only: nothing unpickled
+
+    rows, results = [], []
+    for size_mb in args.sizes_mb:
+        n = int(size_mb * MB) // 4
+        nbytes = n * 4
+        g = torch.Generator().manual_seed(world.rank + 1)
+        flat = torch.randn(n, generator=g)
+        recv = torch.empty_like(flat)
+        send_np, recv_np = flat.numpy().copy(), np.empty(n, dtype=np.float32)
+        scratch = torch.empty(min(exchange.MERGE_BLOCK, n))
+        reps, warm = args.reps, args.warmup
+        chunk = max(1, int(args.pipeline_chunk_mb * MB) // 4)
+        r = {"size_mb": size_mb, "bytes": nbytes}
+        r["raw"] = timed(lambda: comm.Sendrecv(send_np, dest=peer, sendtag=7, recvbuf=recv_np, source=peer,
+                                               recvtag=7), reps, warm)
+        r["engine"] = timed(lambda: exchange.swap_and_merge_blocked(world, flat, recv, peer, 0.5, scratch=scratch),
+                            reps, warm)
+        r["engine_nodist"] = timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5, distance=False),
+                                   reps, warm)
+        r["unfused"] = timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5), reps, warm)
+        r["pipelined"] = timed(lambda: _pipelined_swap_and_merge(world, flat, recv, peer, 0.5, chunk), reps, warm)
+        # the local pieces of the engine exchange, each rank alone (no communication)
+        other = torch.randn(n, generator=g)
+        r["local_dist_s"] = local(lambda: torch.dist(flat, other), reps, 1)
+        r["local_lerp_s"] = local(lambda: flat.lerp_(other, 0.5), reps, 1)
+        r["local_sum_s"] = local(lambda: flat.sum(), reps, 1)
+        for key in ("raw", "engine", "engine_nodist", "unfused", "pipelined"):
+            r[key]["GBps"] = nbytes / r[key]["median_s"] / 1e9
+            if key != "raw":
+                r[key]["ratio_vs_raw"] = r["raw"]["median_s"] / r[key]["median_s"]
+        results.append(r)
+
+        def cell(key):
+            return f"{r[key]['median_s'] * 1e3:.2f} / {r[key]['GBps']:.2f}"
+
+        rows.append([f"{size_mb:g}", cell("raw"), cell("engine"), f"{r['engine']['ratio_vs_raw']:.2f}",
+                     cell("engine_nodist"), f"{r['engine_nodist']['ratio_vs_raw']:.2f}",
+                     cell("unfused"), f"{r['unfused']['ratio_vs_raw']:.2f}",
+                     cell("pipelined"), f"{r['pipelined']['ratio_vs_raw']:.2f}",
+                     f"{r['local_dist_s'] * 1e3:.2f}", f"{r['local_lerp_s'] * 1e3:.2f}"])
+
+    if lead:
+        print(f"bench exchange: {world.size} ranks in pairs, {World.library_version()}; {machine}")
+        print(f"float32 buffers; per size {args.warmup} warm-ups, then the median of {args.reps} repetitions of the "
+              "slowest rank's time (a barrier before each); GB/s = bytes each rank sends / time "
+              "(it receives as many).")
+        print("The flat buffer IS the model: the engine exchange has no flatten/unflatten step. "
+              "engine = exchange.swap_and_merge_blocked = Sendrecv(flat), then distance and lerp_ fused "
+              "in 1 MiB blocks (no P-sized temporary).")
+        print(f"check (a=0.5, both ranks end at the pair mean, equal to merge.interpolate_): "
+              f"{'ok' if ok else 'FAILED'} {json.dumps(checks)}")
+        print()
+        print(_fmt_table(
+            ["MB", "raw Sendrecv ms / GB/s", "engine ms / GB/s", "ratio", "engine dist=False", "ratio",
+             "unfused ms / GB/s", "ratio", f"pipelined({args.pipeline_chunk_mb:g}MB) ms / GB/s", "ratio",
+             "torch.dist ms", "lerp_ ms"], rows))
+        print()
+        print("ratio = raw time / variant time (target >= 0.8 at 16 MB and above). unfused = "
+              "exchange.swap_and_merge (Sendrecv + torch.dist + lerp_ on the whole buffer); "
+              "pipelined = chunked Isend/Irecv merging chunk k while k+1 is in flight; the last two columns are "
+              "each rank alone, no communication.")
+        _write_json(args.json, {"bench": "exchange", "world_size": world.size, "mpi": World.library_version(),
+                                "reps": args.reps, "warmup": args.warmup, "check_ok": ok, "checks": checks,
+                                "results": results})
+    return 0 if ok else 1
+
+
+# =========================================================================== signature
+
+
+def _signature_one(args) -> int:
+    """One (kind, size) measurement in this fresh process; prints one JSON line."""
+    import numpy as np
+    import torch
+
+    from . import signature
+
+    torch.set_num_threads(args.threads)
+    P, d = int(args.params), int(args.dim)
+    model_bytes = P * 4
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(P, generator=g)  # the shared initialisation == the model buffer
+    rep_fn = lambda: float(w0.sum())  # noqa: E731
+    rep_fn()
+    sum_times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        rep_fn()
+        sum_times.append(time.perf_counter() - t0)
+    # Page in the code paths first (MKL gemv, index_add_, randn): a first call maps library pages into the
+    # RSS, a one-off cost of the process that is not memory the sketch holds.
+    small = signature.make_sketch(args.kind, 4 * signature.COLUMNS + 3, d, seed=1)
+    small(torch.randn(4 * signature.COLUMNS + 3, generator=g))
+    del small
+    reset = _reset_peak_rss()
+    before = _proc_status()
+    t0 = time.perf_counter()
+    sketch = signature.make_sketch(args.kind, P, d, seed=0)
+    signer = signature.Signer(sketch, sketch(w0).numpy())
+    build_s = time.perf_counter() - t0
+    reps = args.reps if args.kind == "countsketch" else max(1, min(args.reps, args.gaussian_reps))
+    sig_times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        signer(w0)
+        sig_times.append(time.perf_counter() - t0)
+    after = _proc_status()
+    base = before.get("VmRSS", 0) if reset else before.get("VmHWM", 0)
+    overhead = max(0, after.get("VmHWM", 0) - base) if after else None
+    # distortion: ||S(x - y)|| against ||x - y|| (linearity: S x - S y = S(x - y))
+    distort = {}
+    for kind in args.pairs:
+        errs = []
+        for p in range(args.n_pairs):
+            gp = torch.Generator().manual_seed(100 + p)
+            if kind == "dense":
+                diff = torch.randn(P, generator=gp)
+            else:  # a contiguous block of 1% of the parameters (one layer drifting)
+                L = max(1, P // 100)
+                lo = int(torch.randint(0, P - L + 1, (1,), generator=gp))
+                diff = torch.zeros(P)
+                diff[lo: lo + L] = torch.randn(L, generator=gp)
+            true = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
+            est = float(np.linalg.norm(sketch(diff).numpy()))
+            errs.append(abs(est / true - 1.0))
+            del diff
+        distort[kind] = {"mean_rel_err": float(np.mean(errs)), "max_rel_err": float(np.max(errs))}
+    out = {"kind": args.kind, "params": P, "dim": d, "threads": args.threads, "reps": reps,
+           "sum_s": _median(sum_times), "sketch_s": _median(sig_times), "build_s": build_s,
+           "model_bytes": model_bytes, "peak_overhead_bytes": overhead, "peak_reset": reset,
+           "distortion": distort}
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+def _parse_count(text: str) -> int:
+    t = text.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def _human(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:g}{unit}"
+    return f"{n:g}"
+
+
+def bench_signature(args) -> int:
+    machine = _machine()
+    sizes = [_parse_count(s) for s in args.params]
+    results, rows, skipped = [], [], []
+    gauss_rate = None  # params/s of the Gaussian sketch, from its smallest size
+    for P in sizes:
+        for kind in args.kinds:
+            if kind == "gaussian" and gauss_rate is not None:
+                predicted = P / gauss_rate
+                if predicted * (1 + max(1, min(args.reps, args.gaussian_reps)) + args.n_pairs * len(args.pairs)) \
+                        > args.gaussian_budget:
+                    skipped.append((kind, P, predicted))
+                    continue
+            cmd = [sys.executable, "-m", "communities.bench", "_signature-one", "--kind", kind, "--params", str(P),
+                   "--dim", str(args.dim), "--threads", str(args.threads), "--reps", str(args.reps),
+                   "--gaussian-reps", str(args.gaussian_reps), "--n-pairs", str(args.n_pairs),
+                   "--pairs", *args.pairs]
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=_pythonpath())
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                print(f"bench signature: {kind} at {P} params failed (exit {proc.returncode}):\n"
+                      f"{proc.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            r = json.loads(line[len("RESULT "):])
+            if kind == "gaussian" and gauss_rate is None:
+                gauss_rate = P / r["sketch_s"]
+            r["sum_rate"] = P / r["sum_s"]
+            r["sketch_rate"] = P / r["sketch_s"]
+            r["ratio_vs_sum"] = r["sketch_rate"] / r["sum_rate"]
+            ov = r["peak_overhead_bytes"]
+            r["overhead_x_model"] = None if ov is None else ov / r["model_bytes"]
+            results.append(r)
+            dist = r["distortion"]
+            rows.append([_human(P), kind, f"{r['sum_rate'] / 1e9:.2f}", f"{r['sketch_rate'] / 1e9:.4f}",
+                         f"{r['ratio_vs_sum']:.3f}", f"{r['sketch_s'] * 1e3:.1f}", f"{r['build_s'] * 1e3:.0f}",
+                         "-" if ov is None else f"{ov / MB:.1f}", "-" if ov is None else f"{r['overhead_x_model']:.3f}",
+                         *[f"{dist[k]['mean_rel_err']:.3f} / {dist[k]['max_rel_err']:.3f}" for k in args.pairs]])
+            print(f"  measured {kind} at {_human(P)} params", file=sys.stderr, flush=True)
+    print(f"bench signature: d={args.dim}, float32 flat buffer, torch threads={args.threads}; each (kind, size) "
+          f"in a fresh subprocess; {machine}")
+    print(f"rates in G params/s (median of {args.reps} calls of Signer(flat) = S w - S w0; Gaussian at most "
+          f"{args.gaussian_reps}); sum = torch.sum over the same buffer, the memory-bandwidth stand-in")
+    print()
+    print(_fmt_table(["params", "kind", "sum Gp/s", "sketch Gp/s", "ratio", "sketch ms", "build ms", "peak +MiB",
+                      "x model", *[f"{k} rel.err mean/max" for k in args.pairs]], rows, align="ll" + "r" * 11))
+    print()
+    print("ratio = sketch rate / sum rate (target >= 0.25 for countsketch). peak +MiB = peak RSS (VmHWM) while "
+          "building the sketch (including S w0) and signing, minus the RSS just before, with the peak reset by "
+          "writing 5 to /proc/self/clear_refs; a fresh process per size, its code paths paged in by a small sketch "
+          "first, so the figure is memory the sketch itself allocates "
+          "(target <= 1x model size). rel.err = |‖S(x-y)‖/‖x-y‖ - 1| over "
+          f"{args.n_pairs} pairs: dense = Gaussian x-y; block = x-y on one contiguous 1% of the parameters "
+          f"(JL scale for d={args.dim}: about {1 / math.sqrt(2 * args.dim):.3f}).")
+    for kind, P, pred in skipped:
+        print(f"skipped {kind} at {_human(P)} params: predicted {pred:.0f} s per call from the smallest size "
+              f"(P x d random draws), over --gaussian-budget {args.gaussian_budget:g} s for the whole measurement")
+    _write_json(args.json, {"bench": "signature", "dim": args.dim, "threads": args.threads, "results": results,
+                            "skipped": [{"kind": k, "params": p, "predicted_s_per_call": s} for k, p, s in skipped]})
+    return 0
+
+
+def _pythonpath() -> str:
+    pp = os.environ.get("PYTHONPATH", "")
+    return str(ROOT) + (os.pathsep + pp if pp else "")
+
+
+# =========================================================================== clustering
+
+
+def _planted_signatures(n: int, d: int, groups: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(groups, d))
+    labels = np.arange(n) % groups
+    return (centres[labels] + 0.3 * rng.normal(size=(n, d))).astype(np.float32)
+
+
+def _cut_auto_sklearn(Z, distances, max_k=16, min_silhouette=0.25, min_separation=0.0):
+    """The auto cut as first written (sklearn's silhouette_score once per k): the reference for timing and labels."""
+    import numpy as np
+    from scipy.cluster import hierarchy
+    from scipy.spatial.distance import squareform
+    from sklearn.metrics import silhouette_score
+
+    from .clustering import cut_maxclust
+
+    n = Z.shape[0] + 1
+    if n < 3:
+        return np.zeros(n, dtype=np.int64)
+    D = squareform(distances)
+    best_k, best_s = 1, -np.inf
+    for k in range(2, min(max_k, n - 1) + 1):
+        if Z[n - k, 2] < min_separation:
+            break
+        labels = hierarchy.fcluster(Z, t=k, criterion="maxclust")
+        if len(np.unique(labels)) < 2:
+            continue
+        s = silhouette_score(D, labels, metric="precomputed")
+        if s > best_s + 1e-12:
+            best_k, best_s = len(np.unique(labels)), s
+    if best_s < min_silhouette:
+        return np.zeros(n, dtype=np.int64)
+    return cut_maxclust(Z, best_k)
+
+
+def bench_clustering(args) -> int:
+    import numpy as np
+
+    from . import clustering, config, strategies
+
+    machine = _machine()
+    import importlib
+
+    importlib.import_module("sklearn.metrics")  # the reference cut needs it: keep its import out of the timings
+
+    results, rows = [], []
+    for n in args.n:
+        S = _planted_signatures(n, args.dim, args.groups)
+        for cut in args.cuts:
+            for law in args.laws:
+                overrides = {"strategy": "community", "partners": {"law": law},
+                             "clustering": {"cut": cut, "k": {"start": min(args.k, n), "end": 1, "horizon": 100}}}
+                cfg = config.from_dict(overrides)
+                cc = cfg.clustering
+                t_unit = 1
+                k = int(round(min(args.k, n))) if cut == "maxclust" else None
+                times = {"pairwise": [], "linkage": [], "cut": [], "find_communities": [], "law": [], "draws": []}
+                for rep in range(args.reps + 1):  # the first is a warm-up
+                    strat = strategies.make(cfg, n)
+                    t0 = time.perf_counter()
+                    com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
+                                                      max_k=min(cc.max_communities, n - 1),
+                                                      min_silhouette=cc.min_silhouette,
+                                                      min_separation=cc.min_separation)
+                    strat.observe(com)
+                    t1 = time.perf_counter()
+                    strat.law(t_unit)
+                    t2 = time.perf_counter()
+                    plan = strat.exchanges(t_unit, np.arange(n))
+                    t3 = time.perf_counter()
+                    # the pieces of find_communities, timed apart
+                    p0 = time.perf_counter()
+                    d = clustering.pairwise(S, cc.metric)
+                    p1 = time.perf_counter()
+                    Z = clustering.hierarchy.linkage(d, method=cc.linkage)
+                    p2 = time.perf_counter()
+                    if cut == "auto":
+                        clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
+                                            cc.min_separation)
+                    else:
+                        clustering.cut_maxclust(Z, k)
+                    p3 = time.perf_counter()
+                    if rep == 0:
+                        continue
+                    times["pairwise"].append(p1 - p0)
+                    times["linkage"].append(p2 - p1)
+                    times["cut"].append(p3 - p2)
+                    times["find_communities"].append(t1 - t0)
+                    times["law"].append(t2 - t1)
+                    times["draws"].append(t3 - t2)
+                med = {key: _median(v) for key, v in times.items()}
+                total = med["find_communities"] + med["law"] + med["draws"]
+                r = {"n": n, "dim": args.dim, "cut": cut, "law": law, "communities": com.count,
+                     "exchanges": len(plan), **{f"{key}_s": v for key, v in med.items()}, "total_s": total}
+                ref_cell = "-"
+                if cut == "auto" and args.reference and law == args.laws[0]:
+                    ref_t = []
+                    for _ in range(max(1, min(args.reps, 3))):
+                        q0 = time.perf_counter()
+                        ref = _cut_auto_sklearn(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
+                                                cc.min_separation)
+                        ref_t.append(time.perf_counter() - q0)
+                    fast_t = []
+                    for _ in range(max(1, min(args.reps, 3))):
+                        q0 = time.perf_counter()
+                        fast = clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
+                                                   cc.min_separation)
+                        fast_t.append(time.perf_counter() - q0)
+                    r["cut_reference_s"], r["cut_current_s"] = _median(ref_t), _median(fast_t)
+                    r["cut_same_labels"] = bool(np.array_equal(ref, fast))
+                    ref_cell = (f"{r['cut_reference_s'] * 1e3:.1f} -> {r['cut_current_s'] * 1e3:.1f} "
+                                f"({'same' if r['cut_same_labels'] else 'DIFFERENT'} labels)")
+                results.append(r)
+                rows.append([n, cut, law, com.count, *[f"{med[key] * 1e3:.1f}" for key in times],
+                             f"{total * 1e3:.1f}", ref_cell])
+                print(f"  measured N={n} cut={cut} law={law}", file=sys.stderr, flush=True)
+    print(f"bench clustering: signatures N x d={args.dim} float32 with {args.groups} planted groups; engine defaults "
+          "(average linkage, cosine, auto: k=2..16, silhouette >= 0.25, separation >= 0.1); "
+          f"maxclust k={args.k}; median of {args.reps} repetitions after a warm-up; {machine}")
+    print()
+    print(_fmt_table(["N", "cut", "law", "communities", "pairwise ms", "linkage ms", "cut ms", "find_communities ms",
+                      "law ms", "draws ms", "total ms", "auto cut: sklearn per k -> one pass ms"], rows,
+                     align="lll" + "r" * 8 + "l"))
+    print()
+    print("find_communities = pairwise (scipy pdist) + linkage (scipy) + the cut, each also timed alone; total = "
+          "find_communities + law + draws; law = "
+          "Strategy.law(t) (hierarchical: cophenetic heights); draws = Strategy.exchanges(t, all N ranks) "
+          "(one partner draw per rank, as if every timer fired; in the engine about N/lambda ranks draw every "
+          "unit). Last column: the auto cut with sklearn's silhouette_score per k (as first written) against "
+          "clustering.cut_auto now, on the same tree. Target: total < 1 s at N=4096.")
+    _write_json(args.json, {"bench": "clustering", "results": results})
+    return 0
+
+
+# =========================================================================== overhead
+
+
+def _engine_cmd(launcher: List[str], n: int, config: str, root: str, extra: Sequence[str],
+                wrap: Optional[List[str]] = None) -> List[str]:
+    py = [sys.executable, "-m"] + (wrap or ["communities"])
+    return launcher + ["-n", str(n)] + py + ["run", config, f"output.root={root}", "--overwrite", "--no-progress",
+                                             *extra]
+
+
+def _profile_rank(args) -> int:
+    """Run ``communities ARGV`` under cProfile, dumping ``OUT/rank<r>.prof`` per rank."""
+    import cProfile
+
+    from . import cli
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        rc = cli.main(args.argv)
+    finally:
+        prof.disable()
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(str(Path(args.out) / f"rank{rank}.prof"))
+    return rc
+
+
+def _callee_breakdown(stats, parent_name: str, depth: int = 2, min_share: float = 0.02):
+    """(total s, [(level, label, s)]): callees of the function named ``parent_name``, heaviest first.
+
+    pstats keeps caller->callee edges, not call paths, so a callee's own callees are
+    listed only when that callee is called from nowhere else (otherwise their time
+    could belong to another caller).
+    """
+    table = stats.stats
+    parents = [f for f in table if f[2] == parent_name]
+    if not parents:
+        return 0.0, []
+    total = sum(table[p][3] for p in parents)
+    lines = []
+
+    def walk(funcs, level):
+        agg: Dict[tuple, float] = {}
+        for f, (cc, nc, tt, ct, callers) in table.items():
+            for p in funcs:
+                if p in callers:
+                    agg[f] = agg.get(f, 0.0) + callers[p][3]
+        for f, sec in sorted(agg.items(), key=lambda kv: -kv[1]):
+            if sec < min_share * total:
+                continue
+            where = f"{Path(f[0]).name}:{f[1]}" if f[0] != "~" else "builtin"
+            lines.append((level, f"{f[2]} ({where})", sec))
+            if level + 1 < depth and set(table[f][4]) <= set(funcs):
+                walk([f], level + 1)
+
+    walk(parents, 0)
+    return total, lines
+
+
+def bench_overhead(args) -> int:
+    import yaml
+
+    machine = _machine()
+    launcher = [args.mpiexec or _mpiexec()]
+    rows, results, profiles = [], [], {}
+    keep = args.output_root is not None
+    root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-bench-"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=_pythonpath())
+
+    def launch(cmd, config):
+        print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"bench overhead: {config} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                  f"{proc.stderr[-3000:]}", file=sys.stderr)
+            return None
+        return time.perf_counter() - t0
+
+    for config in args.configs:
+        raw = yaml.safe_load(Path(config).read_text()) or {}
+        n = args.np or raw.get("world_size") or 8
+        name = raw.get("name", Path(config).stem)
+        shares = []
+        for rep in range(args.repeat):
+            outer = launch(_engine_cmd(launcher, n, config, str(root), args.overrides), config)
+            if outer is None:
+                return 1
+            s = json.loads((root / name / "summary.json").read_text())
+            ts, wall = s["time_split"], s["wall_time"]
+            split_sum = sum(ts.values())
+            share = ts["signature"] / wall
+            shares.append(share)
+            r = {"config": config, "name": name, "repeat": rep, "world_size": n, "units": s["units"],
+                 "rounds": s["rounds"], "wall_time": wall, "launch_to_exit_s": outer, "time_split": ts,
+                 "signature_share_of_wall": share,
+                 "signature_share_of_split": ts["signature"] / split_sum if split_sum else None,
+                 "signature_ms_per_round": 1e3 * ts["signature"] / max(1, s["rounds"])}
+            results.append(r)
+            rows.append([name if args.repeat == 1 else f"{name} #{rep + 1}", n, s["units"], s["rounds"],
+                         f"{wall:.2f}", f"{outer:.1f}",
+                         *[f"{ts[c]:.3f}" for c in ("train", "exchange", "signature", "idle", "eval")],
+                         f"{r['signature_ms_per_round']:.1f}", f"{100 * share:.2f}%",
+                         f"{100 * r['signature_share_of_split']:.2f}%"])
+        if args.repeat > 1:
+            rows.append([f"{name} median", "", "", "", "", "", "", "", "", "", "", "",
+                         f"{100 * _median(shares):.2f}%", ""])
+        if args.profile:
+            prof_dir = root / f"{name}.profile"
+            wrap = ["communities.bench", "_profile-rank", "--out", str(prof_dir), "--"]
+            if launch(_engine_cmd(launcher, n, config, str(root), args.overrides, wrap), config) is None:
+                return 1
+            import pstats
+
+            files = sorted(prof_dir.glob("rank*.prof"))
+            st = pstats.Stats(*[str(f) for f in files])
+            profiles[name] = {"ranks": len(files)}
+            for fn in ("_signature_round", "find_communities"):
+                tot, lines = _callee_breakdown(st, fn, depth=args.profile_depth)
+                profiles[name][fn] = {
+                    "s_per_rank": tot / max(1, len(files)),
+                    "callees": [{"level": lv, "function": lab, "s_per_rank": sec / max(1, len(files))}
+                                for lv, lab, sec in lines]}
+    print("bench overhead: real engine runs (" + " ".join(launcher) + "); time_split = mean over ranks (s), "
+          f"wall = slowest rank's loop (s), from summary.json; {machine}")
+    print()
+    print(_fmt_table(["run", "ranks", "units", "rounds", "wall s", "launch s", "train", "exchange", "signature",
+                      "idle", "eval", "sig ms/round", "sig / wall", "sig / split"], rows))
+    print()
+    print("signature = the 'signature' stopwatch of _signature_round: sketch + clustering (linkage, cut) + partner "
+          "law + dispersion + digest; the allgathers and the hash check are 'idle'. launch s = mpiexec start to "
+          "exit (process start, imports, data, writing). Target: sig / wall <= 2%.")
+    for name, p in profiles.items():
+        for fn in ("_signature_round", "find_communities"):
+            print()
+            print(f"profile of {name} (one more run, under cProfile, so slower than the rows above): {fn}, "
+                  f"cumulative s per rank (mean of {p['ranks']} ranks): {p[fn]['s_per_rank']:.3f} s in all")
+            for c in p[fn]["callees"]:
+                print(f"  {'  ' * c['level']}{c['s_per_rank']:8.3f}  {c['function']}")
+    if keep:
+        print(f"runs kept under {root}")
+    else:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    _write_json(args.json, {"bench": "overhead", "results": results, "profiles": profiles})
+    return 0
+
+
+# =========================================================================== CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="communities bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+
+    p = sub.add_parser("exchange", help="pairwise exchange vs raw Sendrecv (run under mpiexec -n 2)")
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--pipeline-chunk-mb", type=float, default=4.0, help="chunk of the pipelined variant")
+    p.add_argument("--json", metavar="PATH")
+
+    p = sub.add_parser("signature", help="count-sketch / Gaussian throughput, memory, distortion")
+    p.add_argument("--params", nargs="+", default=["1M", "10M", "100M"], help="sizes, e.g. 1M 10M 100M")
+    p.add_argument("--kinds", nargs="+", default=["countsketch", "gaussian"], choices=["countsketch", "gaussian"])
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--gaussian-reps", type=int, default=2, help="timed calls of the (slow) Gaussian sketch")
+    p.add_argument("--gaussian-budget", type=float, default=120.0,
+                   help="skip Gaussian sizes predicted to take longer than this many seconds in all")
+    p.add_argument("--n-pairs", type=int, default=3)
+    p.add_argument("--pairs", nargs="+", default=["dense", "block"], choices=["dense", "block"])
+    p.add_argument("--json", metavar="PATH")
+
+    p = sub.add_parser("_signature-one", help=argparse.SUPPRESS)
+    p.add_argument("--kind", required=True)
+    p.add_argument("--params", type=int, required=True)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--gaussian-reps", type=int, default=2)
+    p.add_argument("--n-pairs", type=int, default=3)
+    p.add_argument("--pairs", nargs="+", default=["dense", "block"])
+
+    p = sub.add_parser("clustering", help="linkage + cut + partner law + draws at N ranks")
+    p.add_argument("--n", type=int, nargs="+", default=[64, 512, 4096])
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--groups", type=int, default=8, help="planted groups in the synthetic signatures")
+    p.add_argument("--cuts", nargs="+", default=["auto", "maxclust"], choices=["auto", "maxclust"])
+    p.add_argument("--laws", nargs="+", default=["flat", "hierarchical"], choices=["flat", "hierarchical"])
+    p.add_argument("--k", type=int, default=8, help="k of the maxclust cut")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip timing the sklearn-per-k reference of the auto cut")
+    p.add_argument("--json", metavar="PATH")
+
+    p = sub.add_parser("overhead", help="orchestration share of real engine runs")
+    p.add_argument("configs", nargs="*", default=["configs/quickstart.yaml", "configs/mnist1d.yaml"])
+    p.add_argument("--override", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run (repeatable)")
+    p.add_argument("--np", type=int, default=None, help="ranks (default: the config's world_size, else 8)")
+    p.add_argument("--mpiexec", default=None, help="launcher (default: mpiexec next to python, else on PATH)")
+    p.add_argument("--output-root", default=None, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per config")
+    p.add_argument("--profile", action="store_true",
+                   help="one more run with cProfile on every rank; break down _signature_round")
+    p.add_argument("--profile-depth", type=int, default=2)
+    p.add_argument("--json", metavar="PATH")
+
+    p = sub.add_parser("_profile-rank", help=argparse.SUPPRESS)
+    p.add_argument("--out", required=True)
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main_bench(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.what == "_profile-rank" and args.argv and args.argv[0] == "--":
+        args.argv = args.argv[1:]
+    handler = {"exchange": bench_exchange, "signature": bench_signature, "_signature-one": _signature_one,
+               "clustering": bench_clustering, "overhead": bench_overhead, "_profile-rank": _profile_rank}[args.what]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main_bench())

@@ -1,0 +1,656 @@
+"""``communities compare SPEC.yaml``: run strategies x seeds in the same engine and compare them.
+
+A spec (see ``configs/compare/``) names a base config, the strategies (each with
+optional overrides), the seeds, the world size, a target accuracy and an output
+name. Every (strategy, seed) is its own job, launched one after another::
+
+    mpiexec -n N python -m communities run BASE [spec overrides] [strategy overrides] \\
+        strategy=S seed=K name=<spec>_<label>_s<K> output.root=results/<spec>/runs world_size=N
+
+and the comparison is written to ``results/<spec>/compare.md``, ``compare.json``
+and two plots (consensus accuracy against bytes sent and against wall time).
+Completed runs (``summary.json`` present, ``meta.json`` status complete) are
+skipped unless ``--overwrite``, so an interrupted comparison resumes where it
+stopped. ``--dry-run`` prints the commands.
+
+Spec keys::
+
+    name: digits_groups              # results/<name>/
+    base: configs/quickstart.yaml    # relative to the spec's directory, the working directory or the repo
+    world_size: 8
+    seeds: [0, 1, 2]
+    target_accuracy: 0.9
+    overrides: [consensus.stop=false]   # for every run (optional)
+    strategies:
+      - community                       # a strategy name ...
+      - {name: community_hier, strategy: community, overrides: [partners.law=hierarchical]}
+    launcher: "srun --mpi=pmix -n {n}"  # optional; default: mpiexec next to python, else on PATH
+    timeout: 3600                       # optional, seconds per run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+EXIT_USER = 2
+SPEC_KEYS = {"name", "base", "world_size", "seeds", "target_accuracy", "overrides", "strategies", "launcher",
+             "timeout", "description"}
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class SpecError(ValueError):
+    """A bad comparison spec: the message names the key and what is allowed."""
+
+
+@dataclass
+class Arm:
+    """One compared strategy: a label (used in run names), the engine strategy and its overrides."""
+
+    label: str
+    strategy: str
+    overrides: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Spec:
+    name: str
+    base: Path
+    world_size: int
+    seeds: List[int]
+    target_accuracy: float
+    arms: List[Arm]
+    overrides: List[str] = field(default_factory=list)
+    launcher: Optional[Union[str, List[str]]] = None
+    timeout: Optional[float] = None
+    path: Optional[Path] = None
+    description: str = ""
+
+
+@dataclass
+class RunPlan:
+    arm: Arm
+    seed: int
+    name: str
+    path: Path
+    cmd: List[str]
+    overrides: List[str]
+    status: str = "pending"  # pending | skipped | done | failed
+    seconds: Optional[float] = None
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def _overrides(value, where: str) -> List[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, dict):  # {key.path: value} form
+        return [f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in value.items()]
+    if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
+        raise SpecError(f"{where}: overrides must be a list of 'key.path=value' strings, got {value!r}")
+    return list(value)
+
+
+def _resolve_base(base: str, spec_path: Optional[Path]) -> Path:
+    p = Path(base)
+    if p.is_absolute():
+        return p
+    for root in ([spec_path.parent] if spec_path else []) + [Path.cwd(), ROOT]:
+        if (root / p).exists():
+            return (root / p).resolve()
+    return p
+
+
+def load_spec(path: Union[str, Path]) -> Spec:
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SpecError(f"cannot read spec {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    return spec_from_dict(raw, path)
+
+
+def spec_from_dict(raw, path: Optional[Path] = None) -> Spec:
+    where = str(path) if path else "spec"
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: the top level must be a mapping")
+    unknown = sorted(set(raw) - SPEC_KEYS)
+    if unknown:
+        import difflib
+
+        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, SPEC_KEYS, 1)) else "")
+                 for k in unknown]
+        raise SpecError(f"{where}: unknown key(s) {', '.join(hints)}; allowed: {', '.join(sorted(SPEC_KEYS))}")
+    for key in ("name", "base", "strategies"):
+        if key not in raw:
+            raise SpecError(f"{where}: missing key {key!r}")
+    name = str(raw["name"])
+    if not _NAME.match(name):
+        raise SpecError(f"{where}: name={name!r} may hold only letters, digits, '_', '.', '-'")
+    ws = raw.get("world_size", 8)
+    if not isinstance(ws, int) or ws < 1:
+        raise SpecError(f"{where}: world_size must be a positive integer, got {ws!r}")
+    seeds = raw.get("seeds", [0])
+    if isinstance(seeds, int):
+        seeds = list(range(seeds))  # "seeds: 3" means 0, 1, 2
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
+        raise SpecError(f"{where}: seeds must be a non-empty list of non-negative integers (or a count), got "
+                        f"{raw.get('seeds')!r}")
+    if len(set(seeds)) != len(seeds):
+        raise SpecError(f"{where}: seeds {seeds} repeat a seed")
+    target = raw.get("target_accuracy", 0.9)
+    if not isinstance(target, (int, float)) or not 0 < target <= 1:
+        raise SpecError(f"{where}: target_accuracy must lie in (0, 1], got {target!r}")
+    arms = []
+    strategies = raw["strategies"]
+    if not isinstance(strategies, list) or not strategies:
+        raise SpecError(f"{where}: strategies must be a non-empty list")
+    for k, entry in enumerate(strategies):
+        if isinstance(entry, str):
+            arm = Arm(entry, entry)
+        elif isinstance(entry, dict):
+            extra = sorted(set(entry) - {"name", "strategy", "overrides"})
+            if extra:
+                raise SpecError(f"{where}: strategies[{k}]: unknown key(s) {extra}; allowed: name, strategy, overrides")
+            label = entry.get("name") or entry.get("strategy")
+            if not label:
+                raise SpecError(f"{where}: strategies[{k}] needs a name or a strategy")
+            arm = Arm(str(label), str(entry.get("strategy") or label),
+                      _overrides(entry.get("overrides"), f"{where}: strategies[{k}]"))
+        else:
+            raise SpecError(f"{where}: strategies[{k}] must be a strategy name or a mapping, got {entry!r}")
+        if not _NAME.match(arm.label):
+            raise SpecError(f"{where}: strategy label {arm.label!r} may hold only letters, digits, '_', '.', '-'")
+        arms.append(arm)
+    labels = [a.label for a in arms]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise SpecError(f"{where}: strategy labels {dup} repeat; give each arm its own name")
+    launcher = raw.get("launcher")
+    if launcher is not None and not isinstance(launcher, (str, list)):
+        raise SpecError(f"{where}: launcher must be a command string or a list, got {launcher!r}")
+    timeout = raw.get("timeout")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise SpecError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
+    return Spec(name=name, base=_resolve_base(str(raw["base"]), path), world_size=ws, seeds=list(seeds),
+                target_accuracy=float(target), arms=arms, overrides=_overrides(raw.get("overrides"), where),
+                launcher=launcher, timeout=timeout, path=path, description=str(raw.get("description") or ""))
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def default_mpiexec() -> Optional[str]:
+    """The mpiexec next to this interpreter (the mpich wheel's), else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def launcher_argv(n: int, launcher: Optional[Union[str, List[str]]] = None, mpiexec: Optional[str] = None) -> List[str]:
+    """The launch prefix for n ranks. ``{n}`` in a launcher is replaced; without it, ``-n N`` is appended."""
+    if launcher:
+        parts = shlex.split(launcher) if isinstance(launcher, str) else [str(p) for p in launcher]
+        if any("{n}" in p for p in parts):
+            return [p.replace("{n}", str(n)) for p in parts]
+        return parts + ["-n", str(n)]
+    exe = mpiexec or default_mpiexec()
+    if not exe:
+        raise SpecError("no mpiexec next to the interpreter or on PATH: pass --mpiexec PATH or set launcher: in the "
+                        "spec (e.g. 'srun --mpi=pmix -n {n}')")
+    argv = [exe, "-n", str(n)]
+    if _is_open_mpi(exe):
+        argv += ["--oversubscribe"]
+    return argv
+
+
+def _is_open_mpi(exe: str) -> bool:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except Exception:
+        return False
+    return "Open MPI" in out or "OpenRTE" in out
+
+
+def plan_runs(spec: Spec, results_root: Path, launch: List[str], only: Optional[Sequence[str]] = None,
+              seeds: Optional[Sequence[int]] = None) -> List[RunPlan]:
+    runs_dir = results_root / spec.name / "runs"
+    plans = []
+    for arm in spec.arms:
+        if only and arm.label not in only:
+            continue
+        for seed in (seeds if seeds is not None else spec.seeds):
+            name = f"{spec.name}_{arm.label}_s{seed}"
+            overrides = [*spec.overrides, *arm.overrides, f"strategy={arm.strategy}", f"seed={seed}",
+                         f"name={name}", f"output.root={runs_dir}", f"world_size={spec.world_size}"]
+            cmd = launch + [sys.executable, "-m", "communities", "run", str(spec.base), *overrides,
+                            "--no-progress", "--overwrite"]
+            plans.append(RunPlan(arm=arm, seed=seed, name=name, path=runs_dir / name, cmd=cmd, overrides=overrides))
+    return plans
+
+
+def run_complete(path: Path) -> bool:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        return meta.get("status") == "complete" and (path / "summary.json").exists()
+    except (OSError, ValueError):
+        return False
+
+
+def validate(spec: Spec, plans: Sequence[RunPlan]) -> List[str]:
+    """Config problems of each planned run (as ``communities validate`` would report them)."""
+    from .config import ConfigError, load
+
+    problems = []
+    seen = set()
+    for p in plans:
+        try:
+            cfg = load(spec.base, p.overrides)
+            cfg.check_world(spec.world_size)
+        except ConfigError as exc:
+            msg = f"{p.arm.label}: {exc}"
+            if msg not in seen:
+                seen.add(msg)
+                problems.append(msg)
+    return problems
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MPLBACKEND", "Agg")
+    pp = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pp if pp else "")
+    return env
+
+
+def execute(plan: RunPlan, log_path: Path, timeout: Optional[float]) -> None:
+    """Run one job to completion, its output to ``log_path``; kill its process group on timeout."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write("$ " + " ".join(shlex.quote(c) for c in plan.cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(plan.cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc, signal.SIGKILL)
+            rc = None
+        except BaseException:  # Ctrl-C, SIGTERM (see main_compare): the job is in its own session, end it too
+            _kill_group(proc, signal.SIGTERM)
+            raise
+    plan.seconds = time.perf_counter() - t0
+    if rc == 0 and run_complete(plan.path):
+        plan.status = "done"
+    else:
+        plan.status = "failed"
+        plan.error = (f"timed out after {timeout:g}s" if rc is None else f"exit {rc}") + f"; log: {log_path}"
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+# --------------------------------------------------------------------------- reading runs
+
+
+def _read_jsonl(path: Path) -> List[dict]:
+    from .results import read_jsonl
+
+    return read_jsonl(path)
+
+
+def run_curve(path: Path) -> dict:
+    """One complete run's figures and its consensus curve (t, accuracy, bytes per rank, estimated wall)."""
+    summary = json.loads((path / "summary.json").read_text())
+    units = int(summary["units"])
+    wall = float(summary["wall_time"])
+    evals = sorted(_read_jsonl(path / "consensus.jsonl"), key=lambda r: r["t"])
+    points = [(int(r["t"]), float(r["test_acc"])) for r in evals if r.get("test_acc") is not None]
+    if not points or points[-1][0] < units:
+        points.append((units, float(summary["consensus_test_acc"])))
+    bytes_by_t = _bytes_after_unit(_read_jsonl(path / "metrics.jsonl"), units, float(summary["bytes_sent_mean"]))
+    ts = np.array([p[0] for p in points], dtype=np.float64)
+    return {
+        "summary": summary, "units": units, "wall_time": wall,
+        "t": ts, "acc": np.array([p[1] for p in points]),
+        "bytes": np.array([bytes_by_t(t) for t in ts]),
+        "wall_est": wall * ts / max(units, 1),
+    }
+
+
+def _bytes_after_unit(metrics: List[dict], units: int, final_mean: float):
+    """bytes_per_rank(t): mean over ranks of the bytes sent by the end of unit t.
+
+    metrics.jsonl records a rank's cumulative ``bytes_sent`` once it has trained unit
+    t, before that unit's exchanges; so the bytes by the end of unit t are the row
+    of unit t+1, and the end of the last unit is summary.json's final mean. Between
+    recorded units the figure is interpolated linearly.
+    """
+    per_t: Dict[int, List[float]] = {}
+    for m in metrics:
+        if m.get("bytes_sent") is not None and m.get("rank", 0) >= 0:
+            per_t.setdefault(int(m["t"]), []).append(float(m["bytes_sent"]))
+    xs = sorted(per_t)
+    ends = [(t - 1, float(np.mean(per_t[t]))) for t in xs if t >= 1]  # row t+1 -> end of unit t
+    ends.append((units, final_mean))
+    ends = sorted(dict(ends).items())
+    ex = np.array([e[0] for e in ends], dtype=np.float64)
+    ey = np.array([e[1] for e in ends], dtype=np.float64)
+
+    def at(t: float) -> float:
+        return float(np.interp(t, ex, ey))
+
+    return at
+
+
+def time_to_target(curve: dict, target: float) -> Optional[dict]:
+    """The first consensus evaluation at or above ``target``: its t, the bytes by then, the estimated wall."""
+    hit = np.flatnonzero(curve["acc"] >= target)
+    if hit.size == 0:
+        return None
+    k = int(hit[0])
+    return {"t": float(curve["t"][k]), "bytes": float(curve["bytes"][k]), "wall_est": float(curve["wall_est"][k]),
+            "acc": float(curve["acc"][k])}
+
+
+def _stats(values: Sequence[float]) -> dict:
+    """mean and the sample standard deviation over seeds (ddof=1; null for a single seed)."""
+    v = np.asarray([x for x in values if x is not None], dtype=np.float64)
+    if v.size == 0:
+        return {"mean": None, "std": None, "n": 0, "values": []}
+    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else None, "n": int(v.size),
+            "values": v.tolist()}
+
+
+def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
+    arms = {}
+    runs = []
+    curves: Dict[str, List[dict]] = {}
+    for p in plans:
+        absent = "incomplete" if (p.path / "meta.json").exists() else "missing"
+        entry = {"strategy": p.arm.label, "engine_strategy": p.arm.strategy, "seed": p.seed, "name": p.name,
+                 "path": str(p.path), "status": p.status if p.status != "pending" else absent}
+        if p.error:
+            entry["error"] = p.error
+        if run_complete(p.path):
+            c = run_curve(p.path)
+            s = c["summary"]
+            tt = time_to_target(c, spec.target_accuracy)
+            entry.update(status="complete" if p.status == "pending" else p.status,
+                         consensus_test_acc=s["consensus_test_acc"], best_rank_acc=s["best_rank_acc"],
+                         bytes_sent_mean=s["bytes_sent_mean"], wall_time=s["wall_time"], units=s["units"],
+                         merges=s.get("merges"), target=tt)
+            curves.setdefault(p.arm.label, []).append({"seed": p.seed, **c})
+        runs.append(entry)
+    for arm in spec.arms:
+        mine = [r for r in runs if r["strategy"] == arm.label and "consensus_test_acc" in r]
+        planned = [r for r in runs if r["strategy"] == arm.label]
+        if not planned:
+            continue
+        hits = [r["target"] for r in mine if r["target"] is not None]
+        arms[arm.label] = {
+            "strategy": arm.strategy, "overrides": arm.overrides, "runs": len(mine), "planned": len(planned),
+            "seeds": [r["seed"] for r in mine],
+            "consensus_test_acc": _stats([r["consensus_test_acc"] for r in mine]),
+            "best_rank_acc": _stats([r["best_rank_acc"] for r in mine]),
+            "bytes_sent_per_rank": _stats([r["bytes_sent_mean"] for r in mine]),
+            "wall_time": _stats([r["wall_time"] for r in mine]),
+            "target": {"accuracy": spec.target_accuracy, "reached": len(hits), "of": len(mine),
+                       "t": _stats([h["t"] for h in hits]), "bytes": _stats([h["bytes"] for h in hits]),
+                       "wall_est": _stats([h["wall_est"] for h in hits])},
+        }
+    return {"name": spec.name, "base": str(spec.base), "world_size": spec.world_size, "seeds": spec.seeds,
+            "target_accuracy": spec.target_accuracy, "overrides": spec.overrides, "strategies": arms, "runs": runs,
+            "_curves": curves}
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _pm(st: dict, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
+    if st["mean"] is None:
+        return "-"
+    out = fmt.format(st["mean"] * scale)
+    if st["std"] is not None:
+        out += " ± " + fmt.format(st["std"] * scale)
+    return out
+
+
+def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
+    target = agg["target_accuracy"]
+    lines = [f"# Comparison `{agg['name']}`", ""]
+    if spec.description:
+        lines += [spec.description.strip(), ""]
+    lines += [
+        f"Base config `{agg['base']}`, {agg['world_size']} ranks, seeds {agg['seeds']}"
+        + (f", common overrides `{' '.join(agg['overrides'])}`" if agg["overrides"] else "") + ".",
+        "",
+        "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s "
+        f"| reached {target:g} | t to target (units) | MB to target | est. wall s to target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, a in agg["strategies"].items():
+        tg = a["target"]
+        lines.append(
+            f"| {label} | {a['runs']}/{a['planned']} | {_pm(a['consensus_test_acc'])} | {_pm(a['best_rank_acc'])} "
+            f"| {_pm(a['bytes_sent_per_rank'], '{:.2f}', 1e-6)} | {_pm(a['wall_time'], '{:.1f}')} "
+            f"| {tg['reached']}/{tg['of']} | {_pm(tg['t'], '{:.0f}')} | {_pm(tg['bytes'], '{:.2f}', 1e-6)} "
+            f"| {_pm(tg['wall_est'], '{:.1f}')} |")
+    lines += [
+        "",
+        "Figures are mean ± sample standard deviation (ddof=1) over the seeds that completed; one seed shows no ±.",
+        "",
+        "- *consensus test acc*: the final Allreduce-mean model on the shared test split (summary.json).",
+        "- *best-rank acc*: the best single rank's own model at the end.",
+        "- *MB sent / rank*: bytes sent per rank over the run (mean over ranks; 1 MB = 10^6 bytes) as the engine "
+        "counts them: exchanges and their metadata, signature allgathers, Allreduces (as ring traffic), and so also "
+        "the Allreduce of every consensus evaluation, which every strategy pays alike.",
+        "- *wall s*: the slowest rank's training loop (summary.json `wall_time`), without process start-up.",
+        f"- *to target*: the first consensus evaluation (consensus.jsonl, every `output.consensus_every` or "
+        f"`train.eval_every` units, plus the final model) with test accuracy >= {target:g}; averaged over the "
+        "seeds that reached it. *MB to target* is the mean over ranks of the cumulative `bytes_sent` by the end "
+        "of that unit (metrics.jsonl, interpolated between units). metrics.jsonl has no wall clock, so "
+        "*est. wall s to target* is an estimate: `wall_time * t / units`, which assumes units of equal cost.",
+        "",
+        "![consensus accuracy vs bytes](acc_vs_bytes.png)",
+        "![consensus accuracy vs wall time](acc_vs_wall.png)",
+        "",
+        "## Runs",
+        "",
+        "| run | strategy | seed | status | consensus acc | best-rank acc | MB / rank | wall s | t to target |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in agg["runs"]:
+        if "consensus_test_acc" in r:
+            t = r["target"]["t"] if r["target"] else None
+            lines.append(f"| {r['name']} | {r['strategy']} | {r['seed']} | {r['status']} | "
+                         f"{r['consensus_test_acc']:.4f} | {r['best_rank_acc']:.4f} | "
+                         f"{r['bytes_sent_mean'] / 1e6:.2f} | {r['wall_time']:.1f} | "
+                         f"{'-' if t is None else f'{t:.0f}'} |")
+        else:
+            lines.append(f"| {r['name']} | {r['strategy']} | {r['seed']} | {r['status']} | - | - | - | - | - |"
+                         + (f" {r['error']}" if r.get("error") else ""))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_plots(agg: dict, out_dir: Path) -> List[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("communities compare: matplotlib is not installed; no plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    written = []
+    for key, xlabel, fname, scale in (("bytes", "MB sent per rank", "acc_vs_bytes.png", 1e-6),
+                                       ("wall_est", "wall time, s (estimated: wall_time * t / units)",
+                                        "acc_vs_wall.png", 1.0)):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for k, (label, curves) in enumerate(agg["_curves"].items()):
+            color = f"C{k % 10}"
+            for c in curves:
+                ax.plot(c[key] * scale, c["acc"], color=color, alpha=0.25, lw=1)
+            common = sorted(set.intersection(*[set(c["t"].tolist()) for c in curves]))
+            if common:
+                xs = np.mean([[c[key][list(c["t"]).index(t)] for t in common] for c in curves], axis=0) * scale
+                ys = np.mean([[c["acc"][list(c["t"]).index(t)] for t in common] for c in curves], axis=0)
+                ax.plot(xs, ys, color=color, lw=2, marker="o", ms=3, label=f"{label} (n={len(curves)})")
+        ax.axhline(agg["target_accuracy"], color="grey", ls=":", lw=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("consensus test accuracy")
+        ax.set_title(f"{agg['name']}: {agg['world_size']} ranks, mean over seeds (thin: each seed)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        p = out_dir / fname
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def write_report(spec: Spec, plans: Sequence[RunPlan], results_root: Path) -> dict:
+    from .results import atomic_write_json
+
+    out = results_root / spec.name
+    out.mkdir(parents=True, exist_ok=True)
+    agg = aggregate(spec, plans)
+    write_markdown(agg, out / "compare.md", spec)
+    write_plots(agg, out)
+    public = {k: v for k, v in agg.items() if not k.startswith("_")}
+    atomic_write_json(out / "compare.json", public)
+    return public
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="communities compare",
+                                description="Run strategies x seeds of one base config and compare them.")
+    p.add_argument("spec", help="comparison spec (YAML), e.g. configs/compare/digits_groups.yaml")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--overwrite", action="store_true", help="rerun runs that are already complete")
+    p.add_argument("--report-only", action="store_true", help="run nothing; rewrite compare.md/json from what exists")
+    p.add_argument("--results-root", default="results", help="where results/<name>/ goes (default: results)")
+    p.add_argument("--mpiexec", default=None, help="mpiexec to use (default: next to python, else on PATH)")
+    p.add_argument("--launcher", default=None,
+                   help="launch prefix replacing mpiexec, e.g. 'srun --mpi=pmix -n {n}' (overrides the spec's)")
+    p.add_argument("--only", nargs="+", default=None, metavar="LABEL", help="only these strategies of the spec")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="only these seeds (default: the spec's)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (overrides the spec's)")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failed run")
+    return p
+
+
+def main_compare(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        spec = load_spec(args.spec)
+        if args.only:
+            missing = sorted(set(args.only) - {a.label for a in spec.arms})
+            if missing:
+                raise SpecError(f"--only {missing}: not in the spec's strategies {[a.label for a in spec.arms]}")
+        if not spec.base.exists():
+            raise SpecError(f"{args.spec}: base config {str(spec.base)!r} not found")
+        results_root = Path(args.results_root)
+        launch = (launcher_argv(spec.world_size, args.launcher or spec.launcher, args.mpiexec)
+                  if not args.report_only else [])
+        plans = plan_runs(spec, results_root, launch, args.only, args.seeds)
+        problems = validate(spec, plans)
+    except SpecError as exc:
+        print(f"communities compare: error: {exc}", file=sys.stderr)
+        return EXIT_USER
+    if problems:
+        stream = sys.stdout if args.dry_run else sys.stderr
+        print("communities compare: " + ("warning" if args.dry_run else "error") + ": invalid run configs:\n  "
+              + "\n  ".join(problems), file=stream)
+        if not (args.dry_run or args.report_only):
+            return EXIT_USER
+    timeout = args.timeout or spec.timeout
+    logs = results_root / spec.name / "logs"
+    if args.dry_run:
+        try:
+            for p in plans:
+                state = "complete, skipped" if run_complete(p.path) and not args.overwrite else "to run"
+                print(f"# {p.name} ({state})")
+                print(" ".join(shlex.quote(c) for c in p.cmd), flush=True)
+        except BrokenPipeError:  # `| head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    failed = 0
+    if not args.report_only:
+        try:  # a SIGTERM (a batch system's cancel) unwinds like Ctrl-C, ending the running job's process group
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        except ValueError:  # not the main thread
+            pass
+        todo = [p for p in plans if args.overwrite or not run_complete(p.path)]
+        print(f"compare {spec.name}: {len(plans)} runs ({len(plans) - len(todo)} complete, skipped), "
+              f"{spec.world_size} ranks each; logs in {logs}", flush=True)
+        for k, p in enumerate(todo, 1):
+            print(f"[{k}/{len(todo)}] {p.name} ...", end=" ", flush=True)
+            execute(p, logs / f"{p.name}.log", timeout)
+            if p.status == "done":
+                acc = json.loads((p.path / "summary.json").read_text())["consensus_test_acc"]
+                print(f"done in {p.seconds:.1f}s, consensus acc {acc:.4f}", flush=True)
+            else:
+                failed += 1
+                print(f"FAILED ({p.error})", flush=True)
+                if args.fail_fast:
+                    break
+        for p in plans:
+            if p.status == "pending" and run_complete(p.path):
+                p.status = "skipped"
+    agg = write_report(spec, plans, results_root)
+    out = results_root / spec.name
+    print(_summary_table(agg))
+    print(f"wrote {out / 'compare.md'}, {out / 'compare.json'} and plots")
+    return 1 if failed else 0
+
+
+def _summary_table(agg: dict) -> str:
+    rows = [["strategy", "runs", "consensus acc", "best-rank acc", "MB/rank", "wall s",
+             f"t to {agg['target_accuracy']:g}"]]
+    for label, a in agg["strategies"].items():
+        rows.append([label, f"{a['runs']}/{a['planned']}", _pm(a["consensus_test_acc"]), _pm(a["best_rank_acc"]),
+                     _pm(a["bytes_sent_per_rank"], "{:.2f}", 1e-6), _pm(a["wall_time"], "{:.1f}"),
+                     f"{_pm(a['target']['t'], '{:.0f}')} ({a['target']['reached']}/{a['target']['of']})"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main_compare())

@@ -1,0 +1,261 @@
+"""``communities bench`` and ``communities compare``: they run, print, and their figures are right.
+
+Benchmarks are only checked to run and to print their tables: no speed is asserted.
+The comparison harness is checked against numpy over the runs' own summary.json.
+"""
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from communities import bench, clustering, compare, exchange, merge
+
+from .conftest import mpiexec, run_mpi
+
+pytestmark = pytest.mark.timeout(600)
+
+
+# --------------------------------------------------------------------------- exchange
+
+
+def test_bench_exchange_runs_under_two_ranks_and_prints_a_ratio(tmp_path):
+    out = tmp_path / "exchange.json"
+    res = run_mpi(2, ["-m", "communities.bench", "exchange", "--sizes-mb", "1", "--reps", "3", "--warmup", "1",
+                      "--json", out])
+    assert "ratio" in res.stdout and "no flatten" in res.stdout
+    assert "check (a=0.5, both ranks end at the pair mean, equal to merge.interpolate_): ok" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["check_ok"] and data["world_size"] == 2
+    (r,) = data["results"]
+    assert r["bytes"] == 1 << 20
+    for key in ("engine", "engine_nodist", "unfused", "pipelined"):
+        assert r[key]["ratio_vs_raw"] > 0 and r[key]["GBps"] > 0
+
+
+MERGE_SCRIPT = textwrap.dedent("""
+    import numpy as np, torch
+    from communities.comm import World
+    from communities import exchange, merge
+    world = World()
+    peer = 1 - world.rank
+    g = torch.Generator().manual_seed(7)
+    w = [torch.randn(300_007, generator=g) for _ in range(2)]
+    mine, theirs = w[world.rank], w[peer]
+    mean = (w[0].double() + w[1].double()) / 2
+    exact = float(torch.dist(w[0].double(), w[1].double()))
+    for fn in (exchange.swap_and_merge, exchange.swap_and_merge_blocked):
+        for a in (0.5, 0.3, 1.0):
+            flat, recv = mine.clone(), torch.empty_like(mine)
+            d = fn(world, flat, recv, peer, a)
+            ref = mine.clone()
+            merge.interpolate_(ref, theirs, a)
+            assert torch.equal(flat, ref), (fn.__name__, a)           # the reference merge, bit for bit
+            assert torch.equal(recv, theirs)                           # recv holds the partner's weights
+            assert abs(d - exact) <= 1e-4 * exact, (fn.__name__, d, exact)
+            if a == 0.5:                                               # both ranks end at the mean
+                assert float((flat.double() - mean).abs().max()) < 1e-6
+                both = world.allgather(flat.numpy())
+                assert np.allclose(both[0], both[1], rtol=0, atol=1e-6)
+    print("MERGE-OK", world.rank)
+""")
+
+
+def test_swap_and_merge_leaves_both_ranks_at_the_mean(tmp_path):
+    script = tmp_path / "merge_check.py"
+    script.write_text(MERGE_SCRIPT)
+    res = run_mpi(2, [script], timeout=120)
+    assert res.stdout.count("MERGE-OK") == 2
+
+
+@pytest.mark.parametrize("n", [1, 100, (1 << 18) + 7, 3 * (1 << 18)])
+@pytest.mark.parametrize("a", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_blocked_merge_is_bitwise_the_plain_merge(n, a):
+    g = torch.Generator().manual_seed(n)
+    x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    plain = x.clone()
+    merge.interpolate_(plain, y, a)
+    blocked = x.clone()
+    d = exchange.merge_with_distance_(blocked, y, a)
+    assert torch.equal(plain, blocked)
+    exact = float(torch.dist(x.double(), y.double()))
+    assert d == pytest.approx(exact, rel=1e-6)
+    assert exchange.blocked_distance(x, y) == pytest.approx(exact, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- signature and clustering
+
+
+def test_bench_signature_runs_small_prints_and_skips_slow_gaussian_sizes(capsys, tmp_path):
+    out = tmp_path / "sig.json"
+    rc = bench.main_bench(["signature", "--params", "100K", "3M", "--reps", "2", "--n-pairs", "1",
+                           "--gaussian-reps", "1", "--gaussian-budget", "3", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "countsketch" in text and "gaussian" in text and "ratio" in text
+    assert "skipped gaussian at 3M params" in text  # 30x the 100K time, over a 3 s budget
+    data = json.loads(out.read_text())
+    kinds = {(r["kind"], r["params"]) for r in data["results"]}
+    assert kinds == {("countsketch", 100_000), ("gaussian", 100_000), ("countsketch", 3_000_000)}
+    for r in data["results"]:
+        assert r["sketch_rate"] > 0 and r["sum_rate"] > 0
+        assert r["distortion"]["dense"]["max_rel_err"] < 0.5  # d=256: JL scale ~0.04
+
+
+def test_bench_clustering_runs_small_and_prints(capsys, tmp_path):
+    out = tmp_path / "clu.json"
+    assert bench.main_bench(["clustering", "--n", "16", "64", "--reps", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "find_communities ms" in text and "same labels" in text and "DIFFERENT" not in text
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 2 * 2 * 2
+    assert all(r["communities"] == 8 for r in data["results"] if r["n"] == 64)  # the 8 planted groups
+
+
+def test_fast_silhouettes_equal_sklearn_and_pick_the_same_cut():
+    from scipy.cluster import hierarchy
+    from scipy.spatial.distance import squareform
+    from sklearn.metrics import silhouette_score
+
+    rng = np.random.default_rng(1)
+    for trial in range(25):
+        n, d, g = int(rng.integers(4, 120)), int(rng.integers(2, 40)), int(rng.integers(1, 8))
+        S = rng.normal(size=(g, d))[np.arange(n) % g] * rng.uniform(0, 3) + rng.normal(size=(n, d))
+        if trial % 5 == 0:
+            S[: n // 2] = S[0]  # ties and duplicates
+        method = ("average", "complete", "single", "ward")[trial % 4]
+        metric = "euclidean" if method == "ward" or trial % 2 else "cosine"
+        Z, dist = clustering.build_tree(S, method, metric)
+        labs = [hierarchy.fcluster(Z, t=k, criterion="maxclust") for k in range(2, min(16, n - 1) + 1)]
+        labs = [lab for lab in labs if len(np.unique(lab)) >= 2]
+        ours = clustering.silhouette_scores(dist, labs)
+        ref = [silhouette_score(squareform(dist), lab, metric="precomputed") for lab in labs]
+        assert np.allclose(ours, ref, rtol=0, atol=1e-12)
+        for sep in (0.0, 0.1):
+            assert np.array_equal(clustering.cut_auto(Z, dist, min_separation=sep),
+                                  bench._cut_auto_sklearn(Z, dist, min_separation=sep))
+
+
+# --------------------------------------------------------------------------- overhead
+
+
+def test_bench_overhead_on_a_tiny_run(tiny_config, tmp_path, capsys):
+    rc = bench.main_bench(["overhead", str(tiny_config), "--np", "2", "--mpiexec", mpiexec(), "--profile",
+                           "--output-root", str(tmp_path / "ovh"), "--json", str(tmp_path / "ovh.json")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "sig / wall" in text and "profile of tiny" in text
+    (r,) = json.loads((tmp_path / "ovh.json").read_text())["results"]
+    assert set(r["time_split"]) == {"train", "exchange", "signature", "idle", "eval"}
+    assert 0 <= r["signature_share_of_wall"] < 1
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def _spec(tmp_path, tiny_config, **extra):
+    spec = {"name": "tinycmp", "base": str(tiny_config), "world_size": 2, "seeds": [0, 1], "target_accuracy": 0.5,
+            "overrides": ["train.budget=20"], "strategies": ["community", {"name": "gossip_fast",
+                                                                          "strategy": "gossip",
+                                                                          "overrides": ["merge.lam=1"]}]}
+    spec.update(extra)
+    import yaml
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_compare_writes_mean_std_and_skips_completed_runs(tmp_path, tiny_config, capsys):
+    spec = _spec(tmp_path, tiny_config)
+    root = tmp_path / "results"
+    argv = [str(spec), "--results-root", str(root), "--mpiexec", mpiexec()]
+
+    assert compare.main_compare(argv + ["--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    assert "tinycmp_community_s0" in dry and "tinycmp_gossip_fast_s1" in dry and "strategy=gossip" in dry
+    assert f"output.root={root / 'tinycmp' / 'runs'}" in dry and "merge.lam=1" in dry
+    assert not (root / "tinycmp" / "runs").exists()  # a dry run runs nothing
+
+    assert compare.main_compare(argv) == 0
+    first = capsys.readouterr().out
+    assert "4 runs (0 complete, skipped)" in first
+    out = root / "tinycmp"
+    for f in ("compare.md", "compare.json", "acc_vs_bytes.png", "acc_vs_wall.png"):
+        assert (out / f).stat().st_size > 0, f
+    data = json.loads((out / "compare.json").read_text())
+    assert list(data["strategies"]) == ["community", "gossip_fast"]
+    for label, engine in (("community", "community"), ("gossip_fast", "gossip")):
+        summaries = [json.loads((out / "runs" / f"tinycmp_{label}_s{s}" / "summary.json").read_text())
+                     for s in (0, 1)]
+        assert all(s["strategy"] == engine for s in summaries)
+        a = data["strategies"][label]
+        assert a["runs"] == 2
+        for key, field in (("consensus_test_acc", "consensus_test_acc"), ("best_rank_acc", "best_rank_acc"),
+                           ("bytes_sent_per_rank", "bytes_sent_mean"), ("wall_time", "wall_time")):
+            v = np.array([s[field] for s in summaries])
+            assert a[key]["mean"] == pytest.approx(np.mean(v), rel=1e-12)
+            assert a[key]["std"] == pytest.approx(np.std(v, ddof=1), rel=1e-9, abs=1e-15)
+        # time to target: the first consensus evaluation at or above it, per seed
+        ts = []
+        for s in (0, 1):
+            run = out / "runs" / f"tinycmp_{label}_s{s}"
+            evals = [json.loads(x) for x in (run / "consensus.jsonl").read_text().splitlines() if x.strip()]
+            summ = json.loads((run / "summary.json").read_text())
+            pts = [(e["t"], e["test_acc"]) for e in evals] + [(summ["units"], summ["consensus_test_acc"])]
+            hit = [t for t, acc in pts if acc >= 0.5]
+            if hit:
+                ts.append(hit[0])
+        assert a["target"]["reached"] == len(ts)
+        if ts:
+            assert a["target"]["t"]["mean"] == pytest.approx(np.mean(ts))
+    md = (out / "compare.md").read_text()
+    assert "± " in md and "wall_time * t / units" in md and "| community |" in md
+    runs = {r["name"]: r for r in data["runs"]}
+    assert len(runs) == 4 and all(r["status"] == "done" for r in runs.values())
+
+    # a second invocation finds every run complete and launches nothing
+    stamp = (out / "runs" / "tinycmp_community_s0" / "summary.json").stat().st_mtime_ns
+    assert compare.main_compare(argv) == 0
+    second = capsys.readouterr().out
+    assert "4 runs (4 complete, skipped)" in second and "[1/" not in second
+    assert (out / "runs" / "tinycmp_community_s0" / "summary.json").stat().st_mtime_ns == stamp
+    data2 = json.loads((out / "compare.json").read_text())
+    assert data2["strategies"]["community"]["consensus_test_acc"] == data["strategies"]["community"][
+        "consensus_test_acc"]
+    assert all(r["status"] == "skipped" for r in data2["runs"])
+
+
+def test_compare_rejects_bad_specs_before_running_anything(tmp_path, tiny_config, capsys):
+    root = tmp_path / "results"
+    bad = _spec(tmp_path, tiny_config, strategies=["community", "no_such_strategy"])
+    assert compare.main_compare([str(bad), "--results-root", str(root)]) == 2
+    assert "no_such_strategy" in capsys.readouterr().err
+    assert not root.exists()
+    with pytest.raises(compare.SpecError, match="did you mean 'seeds'"):
+        compare.spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring"], "sedes": [1]})
+    with pytest.raises(compare.SpecError, match="repeat"):
+        compare.spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring", "ring"]})
+    with pytest.raises(compare.SpecError, match="seeds"):
+        compare.spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring"], "seeds": [-1]})
+
+
+def test_launcher_prefixes():
+    assert compare.launcher_argv(4, "srun --mpi=pmix -n {n}") == ["srun", "--mpi=pmix", "-n", "4"]
+    assert compare.launcher_argv(3, ["srun", "--mpi=pmi2"]) == ["srun", "--mpi=pmi2", "-n", "3"]
+    assert compare.launcher_argv(2, mpiexec=sys.executable)[:3] == [sys.executable, "-n", "2"]
+
+
+def test_shipped_specs_parse():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "compare"
+    specs = {p.stem: compare.load_spec(p) for p in sorted(root.glob("*.yaml"))}
+    assert {"digits_groups", "mnist1d_iid", "mnist1d_dirichlet"} <= set(specs)
+    assert specs["digits_groups"].base.name == "quickstart.yaml" and len(specs["digits_groups"].seeds) == 3
+    assert "consensus.stop=false" in specs["digits_groups"].overrides
+    assert "data.alpha=0.1" in specs["mnist1d_dirichlet"].overrides
+    for s in specs.values():
+        assert s.base.exists()
