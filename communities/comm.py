@@ -12,6 +12,8 @@ Bytes sent are counted per rank.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import socket
 import sys
@@ -85,10 +87,21 @@ class World:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.cuda_aware = cuda_aware
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # training traffic: merges, signatures, averages that change the weights
+        self.bytes_monitoring = 0  # traffic that only measures (consensus-model evaluations), kept apart
         self._staging: Dict[Tuple[str, int, torch.dtype], torch.Tensor] = {}
         self._local_rank: Optional[int] = None
         self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort)
+
+    @contextlib.contextmanager
+    def monitoring(self):
+        """Count the bytes sent inside the block as monitoring, not training, traffic."""
+        before = self.bytes_sent
+        try:
+            yield
+        finally:
+            self.bytes_monitoring += self.bytes_sent - before
+            self.bytes_sent = before
 
     def set_timeout(self, timeout: float) -> None:
         """Arm (or re-arm) the watchdog, once the config is known."""

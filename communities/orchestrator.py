@@ -432,7 +432,8 @@ class Engine:
             "communities": None if com is None else {
                 "Z": torch.from_numpy(com.Z.copy()), "labels": torch.from_numpy(com.labels.copy()),
                 "cut_height": float(com.cut_height), "distances": torch.from_numpy(com.distances.copy())},
-            "bytes_sent": int(self.world.bytes_sent), "watch": dict(self.watch.total),
+            "bytes_sent": int(self.world.bytes_sent), "bytes_monitoring": int(self.world.bytes_monitoring),
+            "watch": dict(self.watch.total),
             "wall": self._wall_before + time.perf_counter() - self._wall0 if hasattr(self, "_wall0") else 0.0,
             "merges_logged": self._merges_logged,
             "state": {
@@ -470,6 +471,7 @@ class Engine:
                 Z=com["Z"].numpy().copy(), labels=com["labels"].numpy().copy(), cut_height=com["cut_height"],
                 distances=com["distances"].numpy().copy()))
         self.world.bytes_sent = saved["bytes_sent"]
+        self.world.bytes_monitoring = saved.get("bytes_monitoring", 0)
         self.watch.total.update(saved["watch"])
         self._wall_before = saved["wall"]
         self._merges_logged = saved["merges_logged"]
@@ -748,7 +750,7 @@ class Engine:
         every = self.cfg.output.consensus_every or self.cfg.train.eval_every
         if t % every:
             return
-        with self.watch("eval"):
+        with self.watch("eval"), self.world.monitoring():
             acc, loss = self._evaluate_flat(self._consensus_flat())
         if self.rank == 0:
             self.writer.append_jsonl("consensus.jsonl", [{"t": t, "test_acc": acc, "test_loss": loss}])
@@ -766,13 +768,15 @@ class Engine:
     def _finish(self) -> dict:
         cfg, st = self.cfg, self.state
         self._gather_rows()
-        mean = self._consensus_flat()
+        with self.world.monitoring():
+            mean = self._consensus_flat()
         with self.watch("eval"):
             c_acc, c_loss = self._evaluate_flat(mean)
         dist = float(torch.dist(self.flat, mean) / max(float(mean.norm()), 1e-12))
         wall = self._wall_before + time.perf_counter() - self._wall0
         split = [self.watch.total[c] for c in Stopwatch.CATEGORIES]
-        row = np.array([[st.test_acc, dist, self.world.bytes_sent, wall, *split]], dtype=np.float64)
+        row = np.array([[st.test_acc, dist, self.world.bytes_sent, wall, self.world.bytes_monitoring, *split]],
+                       dtype=np.float64)
         gathered = self.world.gather_rows(row)
         if self.rank != 0:
             return {}
@@ -796,7 +800,8 @@ class Engine:
             "consensus_reached_t": st.consensus_t, "consensus_distance": float(g[:, 1].mean()),
             "bytes_sent_per_rank": [int(b) for b in g[:, 2]], "bytes_sent_mean": float(g[:, 2].mean()),
             "wall_time": float(g[:, 3].max()),
-            "time_split": {c: float(g[:, 4 + k].mean()) for k, c in enumerate(Stopwatch.CATEGORIES)},
+            "monitoring_bytes_mean": float(g[:, 4].mean()),
+            "time_split": {c: float(g[:, 5 + k].mean()) for k, c in enumerate(Stopwatch.CATEGORIES)},
         }
         self.writer.write_json("summary.json", summary)
         self.meta.update(end_time=_now(), status="complete")
@@ -884,7 +889,8 @@ def print_summary(s: dict, run_dir: Path) -> None:
     disp = s["final_dispersion"]
     print(f"final dispersion         {disp:.4g}" if disp is not None else "final dispersion         -",
           f"  consensus reached at t={s['consensus_reached_t']}" if s["consensus_reached_t"] else "  (no consensus stop)")
-    print(f"bytes sent per rank      {s['bytes_sent_mean'] / 1e6:.2f} MB (mean), {s['merges']} merges")
+    print(f"bytes sent per rank      {s['bytes_sent_mean'] / 1e6:.2f} MB (mean), {s['merges']} merges; "
+          f"+{s['monitoring_bytes_mean'] / 1e6:.2f} MB evaluating the consensus model")
     print(f"wall time                {s['wall_time']:.1f}s: {split}")
     print(f"results                  {run_dir}")
 
