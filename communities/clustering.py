@@ -47,16 +47,26 @@ def pairwise(signatures: np.ndarray, metric: str = "cosine") -> np.ndarray:
     return pdist(S, "euclidean")
 
 
-def build_tree(signatures: np.ndarray, method: str = "average", metric: str = "cosine"):
-    """(Z, condensed distances). ``ward`` is defined for euclidean distances only."""
+def build_tree(signatures: np.ndarray, method: str = "average", metric: str = "cosine",
+               distances: Optional[np.ndarray] = None):
+    """(Z, condensed distances). ``ward`` is defined for euclidean distances only.
+
+    ``distances`` (condensed, e.g. ``1 - CKA``) replaces the metric on the signatures.
+    """
     if method not in LINKAGES:
         raise ValueError(f"linkage={method!r} is not one of {LINKAGES}")
-    if method == "ward" and metric != "euclidean":
-        raise ValueError("ward linkage needs the euclidean metric")
+    if method == "ward" and (metric != "euclidean" or distances is not None):
+        raise ValueError("ward linkage needs the euclidean metric on the signatures")
     S = np.asarray(signatures)
     if S.ndim != 2 or S.shape[0] < 2:
         raise ValueError(f"need an (N >= 2, d) signature matrix, got shape {S.shape}")
-    d = pairwise(S, metric)
+    if distances is None:
+        d = pairwise(S, metric)
+    else:
+        d = np.asarray(distances, dtype=np.float64)
+        if d.shape != (S.shape[0] * (S.shape[0] - 1) // 2,) or not np.isfinite(d).all():
+            raise ValueError(f"precomputed distances must be a finite condensed vector for {S.shape[0]} ranks, "
+                             f"got shape {d.shape}")
     Z = hierarchy.linkage(d, method=method)
     return Z, d
 
@@ -206,18 +216,20 @@ def find_communities(
     max_k: int = 16,
     min_silhouette: float = 0.25,
     min_separation: float = 0.0,
+    distances: Optional[np.ndarray] = None,
 ) -> Communities:
     """Linkage plus cut. ``cut`` is maxclust (needs k), distance (needs threshold) or auto.
 
     ``min_separation`` (auto only) is a cosine distance, or for the euclidean
-    metric a distance relative to the signatures' RMS norm.
+    metric a distance relative to the signatures' RMS norm; with precomputed
+    ``distances`` (``1 - CKA``), a distance on their own scale.
     """
     if np.asarray(signatures).shape[0] == 1:  # a world of one: one community, an empty tree
         return Communities(Z=np.zeros((0, 4)), labels=np.zeros(1, dtype=np.int64), cut_height=0.0,
                            distances=np.zeros(0))
-    Z, d = build_tree(signatures, method, metric)
+    Z, d = build_tree(signatures, method, metric, distances)
     scale = 1.0
-    if metric == "euclidean":
+    if metric == "euclidean" and distances is None:
         rms = float(np.sqrt(np.mean(np.sum(np.asarray(signatures, dtype=np.float64) ** 2, axis=1))))
         scale = rms if rms > 0 else 1.0
     if cut == "maxclust":

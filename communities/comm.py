@@ -89,19 +89,24 @@ class World:
         self.cuda_aware = cuda_aware
         self.bytes_sent = 0  # training traffic: merges, signatures, averages that change the weights
         self.bytes_monitoring = 0  # traffic that only measures (consensus-model evaluations), kept apart
+        self.bytes_data = 0  # training examples passed between partners (examples.pass_hard), kept apart
         self._staging: Dict[Tuple[str, int, torch.dtype], torch.Tensor] = {}
         self._local_rank: Optional[int] = None
         self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort)
 
     @contextlib.contextmanager
-    def monitoring(self):
-        """Count the bytes sent inside the block as monitoring, not training, traffic."""
+    def metered(self, kind: str):
+        """Count the bytes sent inside the block in ``bytes_<kind>`` (monitoring, data), not ``bytes_sent``."""
         before = self.bytes_sent
         try:
             yield
         finally:
-            self.bytes_monitoring += self.bytes_sent - before
+            setattr(self, f"bytes_{kind}", getattr(self, f"bytes_{kind}") + self.bytes_sent - before)
             self.bytes_sent = before
+
+    def monitoring(self):
+        """Bytes sent inside the block only measure (consensus-model evaluations): not training traffic."""
+        return self.metered("monitoring")
 
     def set_timeout(self, timeout: float) -> None:
         """Arm (or re-arm) the watchdog, once the config is known."""

@@ -124,6 +124,9 @@ class MergeConfig(_Section):
     ema: Schedule = Schedule(start=0.1, end=0.5, shape="linear", horizon=100)
     optimizer_state: Literal["keep", "reset", "average"] = "keep"
     outer: OuterConfig = OuterConfig()
+    partner_policy: Literal["law", "least_recent"] = Field(
+        "law", description="law: partners from the partner law alone; least_recent: weight the law by how long "
+        "ago the model last trained on each partner's shard (made for rule: swap)")
 
     @model_validator(mode="after")
     def _ema_range(self):
@@ -134,10 +137,16 @@ class MergeConfig(_Section):
 
 
 class SignatureConfig(_Section):
-    kind: Literal["countsketch", "gaussian"] = "countsketch"
-    dim: int = Field(256, ge=2, description="signature dimension d")
+    kind: Literal["countsketch", "gaussian", "logits", "cka"] = Field(
+        "countsketch", description="weights: countsketch | gaussian (random projections of w - w0); "
+        "function: logits (outputs on the probe batch) | cka (linear CKA of a layer on the probe batch)")
+    dim: int = Field(256, ge=2, description="signature dimension d (cka: the feature sketch width k)")
     every: int = Field(5, ge=1, description="units S between signature rounds")
     overlap: bool = Field(False, description="Iallgather started at t takes effect at t + every")
+    probe_size: int = Field(128, ge=2, description="logits/cka: examples in the shared probe batch")
+    layer: Optional[str] = Field(None, description="cka: the named module whose output is compared "
+                                 "(null: the input of the last Linear layer)")
+    debias: bool = Field(True, description="cka: remove the sketch's bias when the layer is wider than dim")
 
 
 class ClusteringConfig(_Section):
@@ -259,6 +268,39 @@ def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
 
 
 
+class ExamplesConfig(_Section):
+    """Per-example confidence, retirement and hard-example passing (all off by default)."""
+
+    track: bool = Field(False, description="track each example's confidence (needed by retire and pass_hard)")
+    eval_every: int = Field(5, ge=1, description="units E between confidence evaluations of the shard")
+    ema: float = Field(0.5, gt=0, le=1, description="weight of the newest probability in the confidence EMA")
+    retire: bool = Field(False, description="move examples every evaluation finds easy to a reserve, then retire")
+    tau_retire: float = Field(0.95, gt=0, lt=1, description="confidence above which an example counts as easy")
+    patience: int = Field(3, ge=1, description="M: consecutive easy evaluations before the reserve")
+    reserve_rounds: int = Field(3, ge=1, description="R: evaluations in the reserve before retirement")
+    rho: float = Field(0.1, ge=0, le=1, description="probability a reserve example is trained on and checked")
+    pass_hard: bool = Field(False, description="partners exchange their lowest-confidence examples at each merge")
+    pass_fraction: float = Field(0.05, ge=0, le=1, description="share of the evaluated active examples passed")
+    pass_count: Optional[int] = Field(None, ge=0, description="at most this many examples per merge (null: no cap)")
+    pass_max_bytes: int = Field(1 << 20, ge=0, description="cap on one side's example packet, in bytes")
+    handover: bool = Field(True, description="the sender drops what it passes (the total is conserved); "
+                           "false: it keeps a copy")
+    pass_similarity: Literal["none", "more_when_far", "more_when_near"] = Field(
+        "none", description="scale the count by the pair's signature distance over the round's median")
+    pass_which: Literal["hardest", "unseen"] = Field(
+        "unseen", description="hardest first, or hardest among those the partner never trained on first")
+    tau_hard: float = Field(0.5, gt=0, lt=1, description="below this confidence, a fully visited example is "
+                            "logged as globally hard")
+    visited: Literal["auto", "bitset", "recent"] = "auto"
+
+    @model_validator(mode="after")
+    def _needs_tracking(self):
+        for key in ("retire", "pass_hard"):
+            if getattr(self, key) and not self.track:
+                raise ValueError(f"examples.{key}=true needs examples.track=true")
+        return self
+
+
 class Config(_Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.\-]+$")
     seed: int = Field(0, ge=0)
@@ -279,6 +321,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     robust: RobustConfig = RobustConfig()
     faults: FaultsConfig = FaultsConfig()
+    examples: ExamplesConfig = ExamplesConfig()
 
     def check_world(self, world: int) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""

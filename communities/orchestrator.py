@@ -25,7 +25,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from . import checkpoint, clustering, data, merge, models, protocol, robust, schedule, signature, strategies, train
+from . import (checkpoint, clustering, data, merge, models, partners, probe, protocol, robust, schedule, signature,
+               strategies, tracking, train)
 from .comm import Stopwatch, World
 from .config import Config, ConfigError, differences
 from .exchange import MERGE_BLOCK, swap_and_merge_blocked
@@ -41,7 +42,7 @@ RULE_CODES = {r: k for k, r in enumerate(merge.RULES)}
 USER_ERRORS = (ConfigError, data.DataError, models.ModelError, ResultsError, OSError)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal or STOP file, checkpoint written; resume with --resume
 STOP_FILE = "STOP"
-LOGS = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl")
+LOGS = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl")
 
 
 class Preempted(Exception):
@@ -179,6 +180,22 @@ class Engine:
         self.y = torch.as_tensor(ds.y_train)[idx].to(self.device)
         self.x_test = torch.as_tensor(ds.x_test).to(self.device)
         self.y_test = torch.as_tensor(ds.y_test).to(self.device)
+        self.tracker = None
+        if cfg.examples.track:
+            self.tracker = tracking.ExampleTracker(cfg.examples, np.asarray(self.shard.indices, dtype=np.int64),
+                                                   ds.x_train, ds.y_train, self.n, self.rank, cfg.seed, self.device,
+                                                   ds.n_classes)
+        # merge.partner_policy=least_recent: the last unit the model now here trained on each rank's shard
+        self.seen_at = np.full(self.n, -1, dtype=np.int64)
+        self.probe_x = None
+        if cfg.signature.kind in probe.KINDS:
+            if cfg.signature.probe_size > len(ds.y_train):
+                raise ConfigError(f"signature.probe_size={cfg.signature.probe_size} exceeds the "
+                                  f"{len(ds.y_train)} training examples")
+            from .similarity import probe_indices
+
+            idx = probe_indices(len(ds.y_train), cfg.signature.probe_size, cfg.seed)
+            self.probe_x = torch.as_tensor(ds.x_train[idx]).to(self.device)
 
     def _build_model(self):
         cfg = self.cfg
@@ -201,10 +218,15 @@ class Engine:
         self.recv = torch.empty_like(flat)
         self._scratch = torch.empty(min(MERGE_BLOCK, flat.numel()), dtype=flat.dtype) if flat.device.type == "cpu" else None
         self.opt = train.make_optimizer(cfg.train, model.parameters())
-        sk = signature.make_sketch(cfg.signature.kind, n_params, cfg.signature.dim, cfg.seed, self.device, flat.dtype)
-        ref = sk(flat[:n_params]).numpy() if self.rank == 0 else None
-        ref = self.world.bcast_array(ref, (cfg.signature.dim,), np.float64)
-        self.signer = signature.Signer(sk, ref)
+        sc = cfg.signature
+        self.probe_signer = None
+        if sc.kind in probe.KINDS:
+            self.probe_signer = on_every_rank(self.world, lambda: self._make_probe_signer(model))
+        else:
+            sk = signature.make_sketch(sc.kind, n_params, sc.dim, cfg.seed, self.device, flat.dtype)
+            ref = sk(flat[:n_params]).numpy() if self.rank == 0 else None
+            ref = self.world.bcast_array(ref, (sc.dim,), np.float64)
+            self.signer = signature.Signer(sk, ref)
         self.outer = self.anchor = None
         if cfg.merge.outer.enabled or self.strategy.outer:
             o = cfg.merge.outer
@@ -219,6 +241,13 @@ class Engine:
             if cfg.train.unit == "epoch":  # every rank must take the same number of steps
                 longest = max(s.indices.size for s in self.shards)
                 self.unit_steps = -(-longest // cfg.train.batch_size)
+
+    def _make_probe_signer(self, model) -> probe.ProbeSigner:
+        sc = self.cfg.signature
+        try:
+            return probe.ProbeSigner(sc.kind, model, self.probe_x, sc.dim, self.cfg.seed, sc.layer, sc.debias)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def _setup_output(self) -> Optional[Path]:
         """Open the run directory (fresh, or continued from its last checkpoint); returns the checkpoint."""
@@ -444,6 +473,10 @@ class Engine:
                 "last_dispersion": st.last_dispersion, "first_loss": st.first_loss, "diverged": st.diverged,
             },
             "outliers": torch.from_numpy(self.outliers.copy()),
+            "seen_at": torch.from_numpy(self.seen_at.copy()),
+            "bias": None if self.strategy.bias is None else torch.from_numpy(self.strategy.bias.copy()),
+            "bytes_data": int(self.world.bytes_data),
+            "examples": None if self.tracker is None else self.tracker.state_dict(),
         }
 
     def _restore(self, directory: Path) -> None:
@@ -478,14 +511,32 @@ class Engine:
         for key, value in saved["state"].items():
             setattr(self.state, key, value)
         self.outliers = saved["outliers"].numpy().copy()
+        self.seen_at = saved["seen_at"].numpy().copy()
+        self.strategy.bias = None if saved["bias"] is None else saved["bias"].numpy().copy()
+        self.world.bytes_data = saved["bytes_data"]
+        if self.tracker is not None:
+            if saved["examples"] is None:
+                raise ResultsError(f"{checkpoint.rank_file(directory, self.rank)}: has no example table, but "
+                                   "examples.track is on")
+            try:
+                self.tracker.load_state_dict(saved["examples"])
+            except ValueError as exc:
+                raise ResultsError(f"{checkpoint.rank_file(directory, self.rank)}: {exc}") from exc
         self.state.t = saved["t"]
 
     def _train(self, t: int) -> None:
         cfg, st = self.cfg, self.state
         f = cfg.faults
         with self.watch("train"):
-            res = train.train_unit(self.model, self.opt, self.x, self.y, cfg.train, cfg.seed, self.rank, t,
+            x, y, rows = self.x, self.y, None
+            if self.tracker is not None:
+                rows = self.tracker.training_rows(t)
+                x, y = self.tracker.view(rows)
+            res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t,
                                    steps=self.unit_steps, grad_sync=self.grad_sync)
+            if rows is not None:
+                self.tracker.trained(rows)
+            self.seen_at[self.rank] = t
             if f.slow_max > 0:
                 time.sleep(f.slow_max * protocol.rng(cfg.seed, protocol.SLOW, t, self.rank).random())
         if f.stall_rank == self.rank and t == f.stall_at:
@@ -501,6 +552,9 @@ class Engine:
             st.diverged = True
             print(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be merged "
                   f"into partners ({cfg.robust.diverged})", file=sys.stderr, flush=True)
+        if self.tracker is not None:
+            with self.watch("eval"):
+                self.tracker.maybe_evaluate(self.model, t)
         test_acc = test_loss = float("nan")
         if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
             with self.watch("eval"):
@@ -558,13 +612,30 @@ class Engine:
                 update = a * distance if a else 0.0
             if event == 0:
                 self._merge_optimizer_state(partner, a, has_state > 0 and other[3] > 0)
-            elif event == 3:
+            if mc.partner_policy == "least_recent":
+                seen = self.world.sendrecv_array(self.seen_at, partner, tag=8)
+                if a >= 1.0:
+                    self.seen_at = seen  # the partner's model is now this rank's
+                elif a > 0.0:
+                    self.seen_at = np.maximum(self.seen_at, seen)
+            if event == 0 and self.tracker is not None and cfg.examples.pass_hard:
+                with self.world.metered("data"):
+                    self.tracker.exchange(self.world, partner, self._pass_factor(partner))
+            if event == 3:
                 self.opt.state.clear()  # moments of a diverged model are as bad as its weights
                 st.diverged = False
         if event == 0:
             st.update_norms.append(update)
         st.merge_rows.append([t, self.rank, partner, initiator, a, update, distance, self.world.bytes_sent - sent0,
                               event])
+
+    def _pass_factor(self, partner: int) -> float:
+        """examples.pass_similarity: the pair's signature distance against the latest round's median."""
+        com, policy = self.strategy.communities, self.cfg.examples.pass_similarity
+        if policy == "none" or com is None or com.distances.size == 0:
+            return 1.0
+        d = partners.condensed_row(com.distances, self.n, self.rank)[partner]
+        return tracking.distance_factor(policy, float(d), float(np.median(com.distances)))
 
     def _keep(self) -> bool:
         """Whether this rank's weights count in averages and the consensus model."""
@@ -632,7 +703,7 @@ class Engine:
         """Allgather signatures, cluster, update the law, log the round; returns the stop decision."""
         cfg, st = self.cfg, self.state
         with self.watch("signature"):
-            sig = self.signer(self._outgoing()[: self.n_params])
+            sig = self._signature()
         with self.watch("idle"):
             if cfg.signature.overlap:
                 previous = self._pending
@@ -652,13 +723,26 @@ class Engine:
             S = robust.sanitize(raw)
             cc = cfg.clustering
             k = int(round(schedule.evaluate(cc.k, t))) if cc.cut == "maxclust" else None
+            pre = self.probe_signer.distances(S) if self.probe_signer is not None and self.n > 1 else None
             com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
                                               max_k=min(cc.max_communities, self.n - 1),
                                               min_silhouette=cc.min_silhouette,
-                                              min_separation=cc.min_separation)
+                                              min_separation=cc.min_separation, distances=pre)
             self.strategy.observe(com)
             counted = np.isfinite(raw).all(axis=1) & ~self.outliers
-            disp = signature.dispersion(S[counted]) if counted.sum() >= 2 else float("nan")
+            disp = float("nan")
+            if counted.sum() >= 2:
+                if self.probe_signer is None:
+                    disp = signature.dispersion(S[counted])
+                else:
+                    sub = None
+                    if pre is not None:
+                        from scipy.spatial.distance import squareform
+
+                        sub = squareform(squareform(pre)[np.ix_(counted, counted)], checks=False)
+                    disp = self.probe_signer.dispersion(S[counted], sub)
+            if cfg.merge.partner_policy == "least_recent" and self.strategy.pairwise:
+                self.strategy.bias = partners.staleness_weights(self.world.allgather(self.seen_at), t)
             law = self.strategy.law(t)
             self._digest = protocol.digest(np.frombuffer(self._digest, dtype=np.uint8), com.labels, com.Z, S,
                                            self.outliers)
@@ -692,8 +776,40 @@ class Engine:
             "outliers": np.flatnonzero(self.outliers).tolist() if cfg.robust.enabled else None,
         }
         self._flush_logs(info, S, com)
+        self._log_examples(t)
         st.rounds += 1
         return reached and cfg.consensus.stop
+
+    def _signature(self) -> np.ndarray:
+        """This rank's signature row: of its weights (drift sketch) or of its function on the probe batch."""
+        if self.probe_signer is None:
+            return self.signer(self._outgoing()[: self.n_params])
+        if not self.hostile:
+            return self.probe_signer(self.model)
+        saved = self.flat.clone()  # a hostile rank shows the function of the weights it sends
+        self.flat.copy_(self._outgoing())
+        try:
+            return self.probe_signer(self.model)
+        finally:
+            self.flat.copy_(saved)
+
+    def _log_examples(self, t: int) -> None:
+        """examples.jsonl: one line per rank per signature round (counts, passes, confidence quantiles)."""
+        if self.tracker is None:
+            return
+        row = np.concatenate([[t, self.world.bytes_data], self.tracker.stats()]).reshape(1, -1)
+        with self.watch("idle"):
+            rows = self.world.gather_rows(row)
+        if self.rank != 0:
+            return
+        fields = ("t", "data_bytes") + tracking.ExampleTracker.STATS_FIELDS
+        out = []
+        for r, block in enumerate(rows):
+            d = {"rank": r, "round": self.state.rounds}
+            for key, v in zip(fields, block[0]):
+                d[key] = _num(v) if key.startswith("q") else int(v)
+            out.append(d)
+        self.writer.append_jsonl("examples.jsonl", out)
 
     def _flush_logs(self, info: Optional[dict] = None, S=None, com=None) -> None:
         """Gather the log rows to rank 0 and, at a signature round, write the round."""
@@ -775,8 +891,12 @@ class Engine:
         dist = float(torch.dist(self.flat, mean) / max(float(mean.norm()), 1e-12))
         wall = self._wall_before + time.perf_counter() - self._wall0
         split = [self.watch.total[c] for c in Stopwatch.CATEGORIES]
-        row = np.array([[st.test_acc, dist, self.world.bytes_sent, wall, self.world.bytes_monitoring, *split]],
-                       dtype=np.float64)
+        row = np.array([[st.test_acc, dist, self.world.bytes_sent, wall, self.world.bytes_monitoring,
+                         self.world.bytes_data, *split]], dtype=np.float64)
+        ex = self.tracker.stats().reshape(1, -1) if self.tracker is not None else np.zeros((1, 0))
+        hard = self.tracker.globally_hard() if self.tracker is not None else np.zeros((0, 2))
+        ex_rows = self.world.gather_rows(ex)
+        hard_rows = self.world.gather_rows(hard)
         gathered = self.world.gather_rows(row)
         if self.rank != 0:
             return {}
@@ -800,14 +920,31 @@ class Engine:
             "consensus_reached_t": st.consensus_t, "consensus_distance": float(g[:, 1].mean()),
             "bytes_sent_per_rank": [int(b) for b in g[:, 2]], "bytes_sent_mean": float(g[:, 2].mean()),
             "wall_time": float(g[:, 3].max()),
-            "monitoring_bytes_mean": float(g[:, 4].mean()),
-            "time_split": {c: float(g[:, 5 + k].mean()) for k, c in enumerate(Stopwatch.CATEGORIES)},
+            "monitoring_bytes_mean": float(g[:, 4].mean()), "data_bytes_mean": float(g[:, 5].mean()),
+            "time_split": {c: float(g[:, 6 + k].mean()) for k, c in enumerate(Stopwatch.CATEGORIES)},
         }
+        if self.tracker is not None:
+            summary["examples"] = self._examples_summary(ex_rows, hard_rows)
         self.writer.write_json("summary.json", summary)
         self.meta.update(end_time=_now(), status="complete")
         self.writer.write_json("meta.json", self.meta)
         self.writer.close()
         return summary
+
+    def _examples_summary(self, ex_rows, hard_rows) -> dict:
+        """Rank 0: totals over ranks of the example tables, and the globally hard ids (globally_hard.json)."""
+        fields = tracking.ExampleTracker.STATS_FIELDS
+        E = np.concatenate([r for r in ex_rows if r.size]).reshape(-1, len(fields))
+        tot = {f: int(E[:, k].sum()) for k, f in enumerate(fields[:7])}
+        H = np.concatenate([r for r in hard_rows if r.size] or [np.zeros((0, 2))])
+        order = np.argsort(H[:, 0], kind="stable")
+        ids, conf = H[order, 0].astype(np.int64), H[order, 1]
+        hard = {"tau_hard": self.cfg.examples.tau_hard, "count": int(ids.size), "ids": ids.tolist(),
+                "confidence": [float(c) for c in conf]}
+        self.writer.write_json("globally_hard.json", hard)
+        total = max(tot["total"], 1)
+        return {**tot, "retired_fraction": tot["retired"] / total, "reserve_fraction": tot["reserve"] / total,
+                "globally_hard": int(ids.size)}
 
     # ------------------------------------------------------------------ progress
 
@@ -891,6 +1028,13 @@ def print_summary(s: dict, run_dir: Path) -> None:
           f"  consensus reached at t={s['consensus_reached_t']}" if s["consensus_reached_t"] else "  (no consensus stop)")
     print(f"bytes sent per rank      {s['bytes_sent_mean'] / 1e6:.2f} MB (mean), {s['merges']} merges; "
           f"+{s['monitoring_bytes_mean'] / 1e6:.2f} MB evaluating the consensus model")
+    if s.get("data_bytes_mean"):
+        print(f"examples passed          {s['data_bytes_mean'] / 1e6:.2f} MB per rank (data, apart from the above)")
+    if s.get("examples"):
+        e = s["examples"]
+        print(f"examples                 {e['total']} held: {e['active']} active, {e['reserve']} reserve, "
+              f"{e['retired']} retired ({100 * e['retired_fraction']:.1f}%); {e['forgetting_events']} forgetting "
+              f"events; {e['globally_hard']} globally hard")
     print(f"wall time                {s['wall_time']:.1f}s: {split}")
     print(f"results                  {run_dir}")
 

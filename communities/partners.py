@@ -77,3 +77,16 @@ def draw(probabilities: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probabilities)
     u = rng.random() * cdf[-1]
     return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
+
+
+def staleness_weights(seen_at: np.ndarray, t: int, power: float = 2.0) -> np.ndarray:
+    """(N, N) partner weights that favour shards a model saw least recently (``merge.partner_policy``).
+
+    ``seen_at[i, j]`` is the last unit at which the model now on rank i trained
+    on rank j's shard (-1: never). The weight is ``(1 + t - seen_at) ** power``,
+    so a shard never seen weighs most; the diagonal is 0 (no self-merge).
+    """
+    seen = np.asarray(seen_at, dtype=np.float64)
+    W = (1.0 + float(t) - seen) ** float(power)
+    np.fill_diagonal(W, 0.0)
+    return W

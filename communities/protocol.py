@@ -17,7 +17,7 @@ from typing import Callable, List, Sequence, Tuple
 import numpy as np
 
 # purposes: distinct streams for distinct decisions
-TIMER, PARTNER, SHUFFLE, INIT, HOSTILE, SLOW = 1, 2, 3, 4, 5, 6
+TIMER, PARTNER, SHUFFLE, INIT, HOSTILE, SLOW, EX_TRAIN, EX_EVAL, EX_STEP = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 Exchange = Tuple[int, int]  # (initiator, partner)
 

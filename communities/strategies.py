@@ -55,6 +55,7 @@ class Strategy:
         self.cfg, self.n = cfg, n
         self.communities: Optional[Communities] = None
         self._heights: Optional[np.ndarray] = None
+        self.bias: Optional[np.ndarray] = None  # (N, N) factors on the law's probabilities (merge.partner_policy)
 
     def observe(self, communities: Communities) -> None:
         """Take a new signature round's communities into account."""
@@ -70,12 +71,20 @@ class Strategy:
         law = self.law(t)
         if law is None or len(initiators) == 0:
             return []
+        bias = self.bias
+
+        def probabilities(i):
+            if bias is None:
+                return law.probabilities(i)
+            p = law.probabilities(i) * bias[i]
+            total = p.sum()
+            return p / total if total > 0 else law.probabilities(i)
         if excluded is None or not excluded.any():
-            return protocol.exchange_list(initiators, t, self.cfg.seed, law.probabilities)
+            return protocol.exchange_list(initiators, t, self.cfg.seed, probabilities)
         initiators = [i for i in initiators if not excluded[i]]
 
         def eligible(i):
-            p = np.where(excluded, 0.0, law.probabilities(i))
+            p = np.where(excluded, 0.0, probabilities(i))
             total = p.sum()
             return p / total if total > 0 else p
 
