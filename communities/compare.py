@@ -411,7 +411,9 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             entry.update(status="complete" if p.status == "pending" else p.status,
                          consensus_test_acc=s["consensus_test_acc"], best_rank_acc=s["best_rank_acc"],
                          bytes_sent_mean=s["bytes_sent_mean"], wall_time=s["wall_time"], units=s["units"],
-                         merges=s.get("merges"), target=tt)
+                         merges=s.get("merges"), target=tt, data_bytes_mean=s.get("data_bytes_mean", 0.0),
+                         monitoring_bytes_mean=s.get("monitoring_bytes_mean", 0.0),
+                         retired_fraction=(s.get("examples") or {}).get("retired_fraction"))
             curves.setdefault(p.arm.label, []).append({"seed": p.seed, **c})
         runs.append(entry)
     for arm in spec.arms:
@@ -427,6 +429,8 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             "best_rank_acc": _stats([r["best_rank_acc"] for r in mine]),
             "bytes_sent_per_rank": _stats([r["bytes_sent_mean"] for r in mine]),
             "wall_time": _stats([r["wall_time"] for r in mine]),
+            "data_bytes_per_rank": _stats([r["data_bytes_mean"] for r in mine]),
+            "retired_fraction": _stats([r["retired_fraction"] for r in mine if r["retired_fraction"] is not None]),
             "target": {"accuracy": spec.target_accuracy, "reached": len(hits), "of": len(mine),
                        "t": _stats([h["t"] for h in hits]), "bytes": _stats([h["bytes"] for h in hits]),
                        "wall_est": _stats([h["wall_est"] for h in hits])},
@@ -450,6 +454,7 @@ def _pm(st: dict, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
 
 def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
     target = agg["target_accuracy"]
+    moving = any(r.get("data_bytes_mean") or r.get("retired_fraction") is not None for r in agg["runs"])
     lines = [f"# Comparison `{agg['name']}`", ""]
     if spec.description:
         lines += [spec.description.strip(), ""]
@@ -458,8 +463,9 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         + (f", common overrides `{' '.join(agg['overrides'])}`" if agg["overrides"] else "") + ".",
         "",
         "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s "
-        f"| reached {target:g} | t to target (units) | MB to target | est. wall s to target |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| reached {target:g} | t to target (units) | MB to target | est. wall s to target |"
+        + (" data MB / rank | retired % |" if moving else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moving else ""),
     ]
     for label, a in agg["strategies"].items():
         tg = a["target"]
@@ -467,7 +473,9 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
             f"| {label} | {a['runs']}/{a['planned']} | {_pm(a['consensus_test_acc'])} | {_pm(a['best_rank_acc'])} "
             f"| {_pm(a['bytes_sent_per_rank'], '{:.2f}', 1e-6)} | {_pm(a['wall_time'], '{:.1f}')} "
             f"| {tg['reached']}/{tg['of']} | {_pm(tg['t'], '{:.0f}')} | {_pm(tg['bytes'], '{:.2f}', 1e-6)} "
-            f"| {_pm(tg['wall_est'], '{:.1f}')} |")
+            f"| {_pm(tg['wall_est'], '{:.1f}')} |"
+            + (f" {_pm(a['data_bytes_per_rank'], '{:.3f}', 1e-6)} | {_pm(a['retired_fraction'], '{:.1f}', 100)} |"
+               if moving else ""))
     lines += [
         "",
         "Figures are mean ± sample standard deviation (ddof=1) over the seeds that completed; one seed shows no ±.",
@@ -475,8 +483,10 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "- *consensus test acc*: the final Allreduce-mean model on the shared test split (summary.json).",
         "- *best-rank acc*: the best single rank's own model at the end.",
         "- *MB sent / rank*: bytes sent per rank over the run (mean over ranks; 1 MB = 10^6 bytes) as the engine "
-        "counts them: exchanges and their metadata, signature allgathers, Allreduces (as ring traffic), and so also "
-        "the Allreduce of every consensus evaluation, which every strategy pays alike.",
+        "counts them: exchanges and their metadata, signature allgathers, Allreduces (as ring traffic). The "
+        "Allreduces that only evaluate the consensus model (summary `monitoring_bytes_mean`) and passed training "
+        "examples (*data MB / rank*, summary `data_bytes_mean`) are counted apart.",
+        "- *retired %*: share of the training examples retired at the end (summary `examples`), where tracked.",
         "- *wall s*: the slowest rank's training loop (summary.json `wall_time`), without process start-up.",
         f"- *to target*: the first consensus evaluation (consensus.jsonl, every `output.consensus_every` or "
         f"`train.eval_every` units, plus the final model) with test accuracy >= {target:g}; averaged over the "
