@@ -14,6 +14,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 import traceback
 from typing import List, Optional
 
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("compare", help="run a config under several strategies and seeds: compare SPEC.yaml",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | overhead", add_help=False)
+    sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | overhead | inspect", add_help=False)
     sub.add_parser("slurm", help="write (and --submit) an sbatch script for a config", add_help=False)
     return parser
 
@@ -72,7 +73,10 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .comm import World, launcher_world_size
+    from . import stopflag
+
+    stopflag.install()  # before MPI and torch load: a SIGUSR1/SIGTERM during start-up stops at the first round
+    from .comm import World, launcher_mismatch
     from .config import ConfigError, from_json, load
     from . import orchestrator
 
@@ -82,13 +86,9 @@ def cmd_run(args) -> int:
         try:
             cfg = load(args.config, args.overrides)
             text = cfg.to_json()
-            launched = launcher_world_size()
-            if launched and launched[1] > 1 and world.size == 1:
-                raise ConfigError(
-                    f"the launcher started {launched[1]} processes ({launched[0]}={launched[1]}) but MPI reports a "
-                    "world of 1: mpi4py is built against a different MPI library than the launcher. Use the "
-                    "mpiexec that belongs to mpi4py's MPI (python -m mpi4py --mpi-library) or srun --mpi=pmi2/pmix."
-                )
+            mismatch = launcher_mismatch(world.size)
+            if mismatch:
+                raise ConfigError(mismatch)
         except ConfigError as exc:
             err = str(exc)
     err = world.bcast_text(err)
@@ -159,16 +159,40 @@ def _is_mpi_worker() -> bool:
     return bool(mpi and mpi.Is_initialized() and mpi.COMM_WORLD.Get_rank() != 0)
 
 
+REMOTE_GRACE_S = 5.0  # how long a rank stopped by another's failure waits for that rank's own abort
+
+
+def _failed_elsewhere(exc: Optional[BaseException], rank: int) -> Optional[int]:
+    """The rank whose set-up failure ``exc`` relays (``orchestrator.collective_check`` marks it), or None."""
+    origin = getattr(exc, "failed_rank", None)
+    return origin if origin is not None and origin != rank else None
+
+
 def _abort_job() -> None:
-    """Print this rank's traceback and abort every rank: a failure must never hang the job."""
+    """Abort every rank, with the traceback printed once, by the rank that failed: a failure never hangs the job.
+
+    A rank that only relays another rank's failure prints one line and gives the failed rank a few seconds
+    to print its traceback and abort the job itself (an early MPI_Abort here could cut that traceback off).
+    """
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
         return
-    rank = mpi.COMM_WORLD.Get_rank()
-    sys.stderr.write(f"communities: rank {rank} failed; aborting all {mpi.COMM_WORLD.Get_size()} ranks\n")
-    traceback.print_exc()
-    sys.stderr.flush()
+    rank, size = mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
+    exc = sys.exc_info()[1]
+    origin = _failed_elsewhere(exc, rank)
+    if origin is not None:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        sys.stderr.write(f"communities: rank {rank} stopping: {first_line}\n")
+        sys.stderr.flush()
+        time.sleep(REMOTE_GRACE_S)  # rank ``origin`` aborts the job meanwhile; this is the fallback
+    else:
+        sys.stderr.write(f"communities: rank {rank} failed; aborting all {size} ranks\n")
+        traceback.print_exc()
+        sys.stderr.flush()
     mpi.COMM_WORLD.Abort(1)
+    # MPICH's MPI_Abort returns once the launcher has the message, and the launcher's kill comes a moment later:
+    # re-raising meanwhile would print the traceback a second time (cut off by the kill). Leave now instead.
+    os._exit(1)
 
 
 if __name__ == "__main__":

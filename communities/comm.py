@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -131,7 +131,8 @@ class World:
         """Every rank's short text (truncated to ``width`` bytes) via a fixed-width byte Allgather."""
         raw = text.encode()[:width].ljust(width, b"\0")
         out = np.zeros((self.size, width), dtype=np.uint8)
-        self.comm.Allgather(np.frombuffer(raw, dtype=np.uint8), out)
+        with self.watchdog.waiting("Allgather of text (a collective: some rank has not arrived)"):
+            self.comm.Allgather(np.frombuffer(raw, dtype=np.uint8), out)
         return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
 
     @staticmethod
@@ -231,24 +232,28 @@ class World:
         if t.device.type != "cpu" and not self.cuda_aware:
             h = self._host(t, "bcast")
             h.copy_(t.reshape(-1))
-            self.comm.Bcast(h.numpy(), root=root)
+            with self.watchdog.waiting(f"Bcast from rank {root}"):
+                self.comm.Bcast(h.numpy(), root=root)
             t.reshape(-1).copy_(h)
         else:
-            self.comm.Bcast(self._as_buffer(t), root=root)
+            with self.watchdog.waiting(f"Bcast from rank {root}"):
+                self.comm.Bcast(self._as_buffer(t), root=root)
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0) -> np.ndarray:
         buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
-        self.comm.Bcast(buf, root=root)
+        with self.watchdog.waiting(f"Bcast from rank {root}"):
+            self.comm.Bcast(buf, root=root)
         return buf
 
     def bcast_text(self, text: Optional[str], root: int = 0) -> str:
         """Broadcast UTF-8 text as a length-prefixed byte buffer (no pickle)."""
         data = text.encode() if self.rank == root and text is not None else b""
         n = np.array([len(data)], dtype=np.int64)
-        self.comm.Bcast(n, root=root)
-        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), dtype=np.uint8)
-        self.comm.Bcast(buf, root=root)
+        with self.watchdog.waiting(f"Bcast of text from rank {root}"):
+            self.comm.Bcast(n, root=root)
+            buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
+            self.comm.Bcast(buf, root=root)
         return bytes(buf).decode()
 
     def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
@@ -258,13 +263,14 @@ class World:
         counts = np.empty(self.size, dtype=np.int64)
         with self.watchdog.waiting("Allgather of log sizes (a collective: some rank has not arrived)"):
             self.comm.Allgather(np.array([rows.size], dtype=np.int64), counts)
-        if self.rank == root:
-            recv = np.empty(int(counts.sum()), dtype=np.float64)
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            self.comm.Gatherv(rows.reshape(-1), [recv, counts, displs, self.MPI.DOUBLE], root=root)
-            return [recv[d: d + c].reshape(-1, width) if width else recv[d: d + c].reshape(0, 0)
-                    for d, c in zip(displs, counts)]
-        self.comm.Gatherv(rows.reshape(-1), None, root=root)
+        with self.watchdog.waiting(f"Gatherv of log rows to rank {root}"):
+            if self.rank == root:
+                recv = np.empty(int(counts.sum()), dtype=np.float64)
+                displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+                self.comm.Gatherv(rows.reshape(-1), [recv, counts, displs, self.MPI.DOUBLE], root=root)
+                return [recv[d: d + c].reshape(-1, width) if width else recv[d: d + c].reshape(0, 0)
+                        for d, c in zip(displs, counts)]
+            self.comm.Gatherv(rows.reshape(-1), None, root=root)
         return None
 
     def agree(self, digest: bytes, what: str) -> None:
@@ -275,7 +281,8 @@ class World:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        with self.watchdog.waiting("Barrier (a collective: some rank has not arrived)"):
+            self.comm.Barrier()
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
@@ -298,10 +305,49 @@ class Stopwatch:
             self.total[category] += time.perf_counter() - start
 
 
-def launcher_world_size() -> Optional[Tuple[str, int]]:
-    """The world size the launcher announced, from its environment, if any."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS_TOTAL", "SLURM_NTASKS"):
-        v = os.environ.get(var)
-        if v and v.isdigit():
+# Variables a launcher sets in each process it starts, holding the size of the world it started:
+# Open MPI's mpirun/prterun, PMI-1/PMI-2 launchers (MPICH/Intel MPI hydra, srun --mpi=pmi2), PMIx launchers.
+LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+def launcher_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, int]]:
+    """The world size this process's launcher announced, as ``(variable, size)``, or None.
+
+    Only variables set per process for this launch count. ``SLURM_NTASKS`` alone does not: inside an
+    sbatch allocation it is the allocation's task count, and ``mpiexec -n 4`` there legitimately starts
+    a different number. It counts only in a process srun started for a job step (``SLURM_STEP_NUM_TASKS``,
+    or ``SLURM_NTASKS`` with ``SLURM_STEPID`` set), and is reported as ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``.
+    """
+    env = os.environ if env is None else env
+    for var in LAUNCHER_SIZE_VARS:
+        v = env.get(var, "").strip()
+        if v.isdigit():
+            return var, int(v)
+    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        v = env.get(var, "").strip()
+        if v.isdigit() and (var == "SLURM_STEP_NUM_TASKS" or env.get("SLURM_STEPID", "").strip().isdigit()):
             return var, int(v)
     return None
+
+
+def launcher_mismatch(mpi_size: int, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """A message when the launcher started a different number of processes than MPI put in this world.
+
+    The usual cause: mpi4py is built against one MPI library and the job was launched with another's
+    mpiexec (or srun without the matching --mpi plugin), so every process is a world of its own.
+    A launcher's own per-process variable must equal MPI's world size exactly. An srun step's task count
+    is compared the same way, except that a world *larger* than the step is allowed: that is an mpiexec
+    nested inside the step (``srun -n1 mpiexec -n 4``) whose MPI sets none of the variables above.
+    """
+    launched = launcher_world_size(env)
+    if launched is None:
+        return None
+    var, n = launched
+    if n == mpi_size or (var.startswith("SLURM_") and mpi_size > n):
+        return None
+    hint = ("mpi4py is built against a different MPI library than the launcher, so the processes did not join "
+            "one world. Use the mpiexec that belongs to mpi4py's MPI (python -m mpi4py --mpi-library) or srun "
+            "--mpi=pmi2/pmix") if mpi_size == 1 else (
+            "the launcher and MPI disagree on the job's processes (a stale launcher variable in the environment, "
+            "or a launcher of another MPI library)")
+    return f"the launcher started {n} processes ({var}={n}) but MPI reports a world of {mpi_size}: {hint}"

@@ -7,13 +7,15 @@ key, the value and what is allowed, and unknown keys suggest the nearest valid o
 """
 from __future__ import annotations
 
+import datetime as _dt
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any, List, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -21,7 +23,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: ``lr: .inf`` or ``.nan`` is an error naming the key, not a run that silently diverges.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class Schedule(_Section):
@@ -129,10 +132,14 @@ class MergeConfig(_Section):
         "ago the model last trained on each partner's shard (made for rule: swap)")
 
     @model_validator(mode="after")
-    def _ema_range(self):
+    def _coefficients_in_range(self):
         for v in (self.ema.start, self.ema.end):
             if not 0 <= v <= 1:
                 raise ValueError(f"merge.ema start/end must lie in [0, 1], got {v}")
+        if self.rule in ("clock", "loss") and self.alpha > 0.5:
+            # a_i = 2 alpha c_j / (c_i + c_j) reaches 2 alpha: above 0.5 the merge would extrapolate past the partner
+            raise ValueError(f"merge.alpha={self.alpha} with rule {self.rule!r} must be <= 0.5 (0.5: the "
+                             "weighted average); a larger alpha would extrapolate past the partner's weights")
         return self
 
 
@@ -190,6 +197,9 @@ class PartnerConfig(_Section):
 class ConsensusConfig(_Section):
     tol: float = Field(0.05, gt=0, description="relative signature dispersion counted as consensus")
     patience: int = Field(3, ge=1, description="consecutive rounds under tol, after annealing, to stop")
+    update_tol: Optional[float] = Field(
+        None, gt=0, description="also require the round's mean merge update norm, over the mean weight norm, "
+        "under this (null: dispersion alone decides)")
     stop: bool = Field(True, description="stop at consensus; false runs the whole budget")
 
 
@@ -301,9 +311,13 @@ class ExamplesConfig(_Section):
         return self
 
 
+NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]+")
+SEED_BOUND = 2**32  # numpy's legacy RandomState and scikit-learn's random_state take seeds in [0, 2**32)
+
+
 class Config(_Section):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9_.\-]+$")
-    seed: int = Field(0, ge=0)
+    name: str = Field("run", description="the run directory's name under output.root: one plain file name")
+    seed: int = Field(0, ge=0, lt=SEED_BOUND, description="0 <= seed < 2**32")
     strategy: Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"] = "community"
     world_size: Optional[int] = Field(None, ge=1, description="expected MPI world size; null accepts any")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
@@ -322,6 +336,22 @@ class Config(_Section):
     robust: RobustConfig = RobustConfig()
     faults: FaultsConfig = FaultsConfig()
     examples: ExamplesConfig = ExamplesConfig()
+
+    @field_validator("name", mode="after")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # ``output.root/name`` is what --overwrite clears: '..' or 'a/b' would point it at another directory.
+        if not NAME_CHARS.fullmatch(name) or name in (".", "..") or len(name) > 255:
+            raise ValueError(f"name={name!r} must be one plain file name (at most 255 of A-Z a-z 0-9 _ . -, no '/', "
+                             "not '.' or '..'): it names the run directory under output.root")
+        return name
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_range(cls, seed: Any) -> Any:
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < SEED_BOUND:
+            raise ValueError(f"seed={seed} is out of range: 0 <= seed < 2**32 (= {SEED_BOUND})")
+        return seed
 
     def check_world(self, world: int) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
@@ -377,16 +407,114 @@ def _format_error(err: dict, raw: dict) -> str:
     return f"{where}{msg}"
 
 
-def _parse_scalar(text: str) -> Any:
+class StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key written twice in one mapping (PyYAML keeps the last silently).
+
+    ``load_strict`` walks the composed node graph once before constructing it, so the error can name the
+    key's dotted path and both lines. Merge keys (``<<: *base``) may still be overridden by explicit keys.
+    """
+
+    def check_duplicates(self, root: yaml.Node, source: str) -> None:
+        seen_nodes = set()  # each node once: aliases share nodes (no cycles, no exponential walks)
+        stack = [(root, "")]
+        while stack:
+            node, path = stack.pop()
+            if id(node) in seen_nodes:
+                continue
+            seen_nodes.add(id(node))
+            if isinstance(node, yaml.MappingNode):
+                lines: dict = {}
+                for key_node, value_node in node.value:
+                    label = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+                    child = f"{path}.{label}" if path else label
+                    if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                        key = self.construct_object(key_node)  # equal as dict keys: 1, 1.0, true, yes
+                        if key in lines:
+                            raise ConfigError(
+                                f"{source}: duplicate key {child!r} (line {lines[key]} and line "
+                                f"{key_node.start_mark.line + 1}); each key may appear once per section")
+                        lines[key] = key_node.start_mark.line + 1
+                    stack.append((value_node, child))
+            elif isinstance(node, yaml.SequenceNode):
+                stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+
+
+def load_strict(text: str, source: str = "config") -> Any:
+    """``yaml.safe_load`` with duplicate keys rejected (ConfigError naming the key path and ``source``)."""
+    loader = StrictLoader(text)
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        loader.check_duplicates(node, source)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+# Values a YAML document may hold beyond JSON's: timestamps become ISO strings; anything else is an error.
+MAX_NODES = 100_000  # a config has a few hundred; this stops alias bombs ("billion laughs") early
+
+
+def _plain(value: Any, path: str, budget: List[int], active: set) -> Any:
+    """A JSON-compatible deep copy of parsed YAML; ConfigError naming the key for what JSON cannot hold."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ConfigError(f"more than {MAX_NODES} values (nested aliases?) - a config is far smaller")
+    where = path or "the top level"
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value  # inf/nan reach the validator, which names the key
+    if isinstance(value, (_dt.date, _dt.datetime)):
+        return value.isoformat()
+    if isinstance(value, (dict, list)):
+        if id(value) in active:
+            raise ConfigError(f"{where}: refers to itself (a recursive YAML alias)")
+        active.add(id(value))
+        try:
+            if isinstance(value, list):
+                return [_plain(v, f"{path}[{i}]", budget, active) for i, v in enumerate(value)]
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, (str, int, float, bool)) and k is not None:
+                    raise ConfigError(f"{where}: a key of type {type(k).__name__} ({k!r}); keys are names")
+                key = json.dumps(k) if not isinstance(k, str) else k  # 1 -> "1", None -> "null", True -> "true"
+                out[key] = _plain(v, f"{path}.{key}" if path else key, budget, active)
+            return out
+        finally:
+            active.discard(id(value))
+    raise ConfigError(f"{where}: a YAML value of type {type(value).__name__} is not supported ({value!r:.60})")
+
+
+def plain(value: Any, path: str = "") -> Any:
+    return _plain(value, path, [MAX_NODES], set())
+
+
+def _yaml_failure(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+# PyYAML raises more than YAMLError on some input: ValueError for a date like 2020-13-45 or ``!!int x``,
+# RecursionError for thousands of nested brackets, OverflowError for huge ``!!float`` literals.
+YAML_FAILURES = (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError)
+
+
+def _parse_scalar(text: str, key: str = "") -> Any:
+    try:
+        value = load_strict(text, f"override {key}")
+    except ConfigError:
+        raise
+    except YAML_FAILURES:
         return text
+    return plain(value, key)
 
 
 def apply_overrides(raw: dict, overrides: List[str]) -> dict:
     """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict."""
-    out = json.loads(json.dumps(raw))
+    out = plain(raw)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
@@ -400,7 +528,7 @@ def apply_overrides(raw: dict, overrides: List[str]) -> dict:
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is a value, not a section")
             node = nxt
-        node[parts[-1]] = _parse_scalar(text)
+        node[parts[-1]] = _parse_scalar(text, key.strip())
     return out
 
 
@@ -416,20 +544,36 @@ def from_dict(raw: Any, source: str = "config") -> Config:
         raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(lines))) from None
 
 
-def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
-    """Read YAML at ``path``, apply overrides, validate."""
+def read_yaml(path: Union[str, Path], what: str = "config") -> Any:
+    """The plain data of a YAML file: UTF-8, duplicate keys rejected. Every failure is a ConfigError naming it."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} file {str(path)!r}: {exc.strerror or exc}") from None
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                          f"a {what} is a YAML text file") from None
+    try:
+        raw = load_strict(text, str(path))
+    except ConfigError:
+        raise
+    except YAML_FAILURES as exc:
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_failure(exc)}") from None
     if raw is not None and not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys")
-    return from_dict(apply_overrides(raw or {}, overrides or []), source=str(path))
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    try:
+        return plain(raw or {})
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
+    """Read YAML at ``path``, apply overrides, validate. Every failure is a ConfigError naming the file."""
+    raw = read_yaml(path)
+    return from_dict(apply_overrides(raw, overrides or []), source=str(path))
 
 
 def from_json(text: str) -> Config:

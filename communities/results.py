@@ -49,6 +49,20 @@ def _is_launcher_file(path: Path) -> bool:
     return path.is_file() and any(path.match(pattern) for pattern in LAUNCHER_FILES)
 
 
+# What the engine and ``communities inspect`` put in a run directory. --overwrite clears a directory only when it
+# holds meta.json or config.yaml, or nothing but these (a run that died before writing config.yaml).
+RUN_MARKERS = ("meta.json", "config.yaml")
+RUN_ENTRIES = RUN_MARKERS + ("partition.json", "metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl",
+                             "rounds", "checkpoints", "consensus.pt", "summary.json", "report", "STOP")
+
+
+def _looks_like_run(root: Path, content: List[Path]) -> bool:
+    if any((root / m).is_file() for m in RUN_MARKERS):
+        return True
+    # the hidden temporaries of atomic_write_bytes (.NAME.XXXX.tmp) are run entries too
+    return all(p.name in RUN_ENTRIES or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in content)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -117,6 +131,15 @@ class RunWriter:
                 "or --resume to continue it"
             )
         if overwrite and not resume:
+            if content and not _looks_like_run(self.root, content):
+                # the last line of defence against a name or output.root that points at a directory the user
+                # did not mean (results/.. is the repository): never empty a directory that is not a run
+                shown = ", ".join(sorted(p.name for p in content)[:5]) + (", ..." if len(content) > 5 else "")
+                raise ResultsError(
+                    f"refusing to --overwrite {str(self.root)!r}: it is not empty ({shown}) and does not look like a "
+                    f"run directory (no {' or '.join(RUN_MARKERS)}); choose another name or output.root, or remove "
+                    "it yourself"
+                )
             for p in content:
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (self.root / "rounds").mkdir(parents=True, exist_ok=True)
@@ -243,7 +266,14 @@ class Round:
 
 @dataclass
 class Run:
-    """A run directory opened for reading. Missing optional parts are empty, not errors."""
+    """A run directory opened for reading. Missing optional parts are empty, not errors.
+
+    ``round_paths`` lists the round directories that hold every file of ``ROUND_FILES``;
+    ``problems`` has one line for each ``round_NNNN`` directory left out because a file is
+    missing (naming it). Round directories are built under a hidden ``.round_*`` name and
+    renamed whole, so a missing file in a visible one is damage; hidden temporaries (a
+    round being written when the run stopped) are skipped silently.
+    """
 
     path: Path
     config: dict
@@ -251,6 +281,7 @@ class Run:
     partition: dict
     summary: Optional[dict]
     round_paths: List[Path] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -281,9 +312,25 @@ class Run:
         return [load_round(p) for p in self.round_paths]
 
 
-def load_round(path: Path) -> Round:
+def read_round_info(path: Path) -> dict:
+    """``round.json`` of a round directory: a JSON object with integer ``round`` and ``t``, else ResultsError."""
     path = Path(path)
-    info = read_json(path / "round.json")
+    info = read_json(path)
+    if not isinstance(info, dict):
+        raise ResultsError(f"{path}: damaged (expected a JSON object, got {type(info).__name__})")
+    for key in ("round", "t"):
+        if key not in info:
+            raise ResultsError(f"{path}: damaged (missing field {key!r})")
+        value = info[key]
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ResultsError(f"{path}: damaged (field {key!r} is {value!r}, expected an integer)")
+    return info
+
+
+def load_round(path: Path) -> Round:
+    """Read one round directory; a missing or damaged file raises ResultsError naming it."""
+    path = Path(path)
+    info = read_round_info(path / "round.json")
     return Round(
         index=int(info["round"]),
         path=path,
@@ -294,8 +341,34 @@ def load_round(path: Path) -> Round:
     )
 
 
+def _round_number(p: Path) -> int:
+    suffix = p.name.split("_", 1)[1]
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def list_rounds(rounds_dir: Path):
+    """(complete round directories in numeric order, one line per incomplete one naming its missing file).
+
+    Hidden ``.round_*`` temporaries (a round still being built) are not listed and not reported.
+    """
+    rounds_dir = Path(rounds_dir)
+    if not rounds_dir.is_dir():
+        return [], []
+    found = sorted((p for p in rounds_dir.glob("round_*") if p.is_dir()), key=_round_number)
+    complete, problems = [], []
+    for p in found:
+        missing = [f for f in ROUND_FILES if not (p / f).is_file()]
+        if missing:
+            more = f" (and {', '.join(missing[1:])})" if len(missing) > 1 else ""
+            problems.append(f"{p / missing[0]}: missing{more}; round directories are renamed into place whole, "
+                            f"so {p.name} is damaged and left out")
+        else:
+            complete.append(p)
+    return complete, problems
+
+
 def open_run(path: Path) -> Run:
-    """Open a (possibly partial) run; only complete round directories are listed."""
+    """Open a (possibly partial) run; only complete round directories are listed (see ``Run``)."""
     path = Path(path)
     if not path.is_dir():
         raise ResultsError(f"{path}: not a run directory")
@@ -310,9 +383,6 @@ def open_run(path: Path) -> Run:
     meta = read_json(path / "meta.json")
     partition = read_json(path / "partition.json") if (path / "partition.json").exists() else {}
     summary = read_json(path / "summary.json") if (path / "summary.json").exists() else None
-    rounds_dir = path / "rounds"
-    round_paths = sorted(
-        (p for p in rounds_dir.glob("round_*") if p.is_dir() and all((p / f).exists() for f in ROUND_FILES)),
-        key=lambda p: int(p.name.split("_", 1)[1]) if p.name.split("_", 1)[1].isdigit() else -1,
-    ) if rounds_dir.exists() else []
-    return Run(path=path, config=config, meta=meta, partition=partition, summary=summary, round_paths=round_paths)
+    round_paths, problems = list_rounds(path / "rounds")
+    return Run(path=path, config=config, meta=meta, partition=partition, summary=summary, round_paths=round_paths,
+               problems=problems)

@@ -72,3 +72,95 @@ def test_json_round_trip_is_identical():
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key.path=value"):
         config.load("configs/quickstart.yaml", ["train.lr"])
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "../x", "/tmp", "a\\b", "", "x" * 256, "ünï"])
+def test_name_must_be_one_plain_file_name(name):
+    """``output.root/name`` is what --overwrite clears: 'name: ..' would empty the directory above results/."""
+    with pytest.raises(ConfigError, match=r"^.*name: .*plain file name"):
+        config.load("configs/quickstart.yaml", [f"name={name!r}"])
+
+
+@pytest.mark.parametrize("name", ["quickstart", "a.b-c_1", "...", ".hidden", "x" * 255])
+def test_plain_names_are_fine(name):
+    assert config.load("configs/quickstart.yaml", [f"name={name!r}"]).name == name
+
+
+def test_seed_is_bounded_for_numpy_and_scikit_learn():
+    assert config.load("configs/quickstart.yaml", [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+    for seed in (2**32, 2**64, -1):
+        with pytest.raises(ConfigError, match=r"seed.*2\*\*32"):
+            config.load("configs/quickstart.yaml", [f"seed={seed}"])
+
+
+@pytest.mark.parametrize("override", ["train.lr=.inf", "train.lr=.nan", "train.lr=-.inf", "faults.hostile_scale=.inf",
+                                      "faults.hostile_scale=.nan", "comm.timeout=.inf", "partners.p_cross.start=.nan",
+                                      "faults.slow_max=1e400"])
+def test_inf_and_nan_are_rejected(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0] + ".*finite"):
+        config.load("configs/quickstart.yaml", [override])
+
+
+def test_nullable_and_finite_values_still_validate():
+    cfg = config.load("configs/quickstart.yaml", ["faults.nan_rank=null", "signature.layer=null", "threads=null",
+                                                  "examples.pass_count=null", "world_size=null", "train.lr=1e-300"])
+    assert cfg.faults.nan_rank is None and cfg.threads is None and cfg.train.lr == 1e-300
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path("configs").glob("*.yaml")))
+def test_shipped_configs_validate(path):
+    config.load(path)
+
+
+def test_binary_file_is_named(tmp_path):
+    for data in (b"\xff\xfe\x00\x01binary", "name: caf\xe9\n".encode("latin-1"), bytes(range(256))):
+        bad = tmp_path / "binary.yaml"
+        bad.write_bytes(data)
+        with pytest.raises(ConfigError, match="binary.yaml"):
+            config.load(bad)
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("seed: 1\nseed: 2\n", "seed", "line 1 and line 2"),
+    ("train:\n  lr: 0.1\n  momentum: 0.5\n  lr: 0.2\n", "train.lr", "line 2 and line 4"),
+    ("train: {lr: 0.1, lr: 0.2}\n", "train.lr", "line 1 and line 1"),
+    ("partners:\n  p_cross:\n    start: 0.1\n    start: 0.2\n", "partners.p_cross.start", "line 3 and line 4"),
+    ("train: {}\ntrain: {}\n", "train", "line 1 and line 2"),
+])
+def test_duplicate_keys_are_named_with_the_file(tmp_path, text, key, lines):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        config.load(path)
+    assert f"duplicate key {key!r}" in str(exc.value) and "dup.yaml" in str(exc.value) and lines in str(exc.value)
+
+
+def test_merge_keys_may_be_overridden(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("train: &t {lr: 0.1, budget: 5}\nmerge:\n  ema: &e {start: 0.1, end: 0.5}\n"
+                    "clustering:\n  k: {start: 2, end: 1}\n")
+    assert config.load(path).train.lr == 0.1
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("seed: 2020-13-45\n", "month"),                     # PyYAML raises ValueError, not YAMLError
+    ("train: " + "[" * 3000 + "\n", "nested too deeply"),  # RecursionError in PyYAML
+    ("a: &a [*a]\n", "refers to itself"),
+    ("data: !!set {a, b}\n", "data"),
+    ("seed: !!binary aGVsbG8=\n", "seed"),
+])
+def test_yaml_oddities_give_a_message(tmp_path, text, needle):
+    path = tmp_path / "odd.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        config.load(path)
+    assert needle in str(exc.value) and "odd.yaml" in str(exc.value)
+
+
+def test_alias_bombs_stop_early(tmp_path):
+    lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]  # 10**9 leaves
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match="bomb.yaml"):
+        config.load(path)

@@ -1,0 +1,44 @@
+"""Stop requests (SIGUSR1, SIGTERM) noted from the moment the process starts.
+
+The handler only sets a flag; the ranks act on it together at the next signature
+round (one tiny Allreduce), checkpoint and exit 75. ``communities run`` installs
+it before it imports torch or MPI, so a signal that arrives during the seconds of
+start-up is not fatal: it stops the run at its first round instead.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Dict
+
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+_requested = False
+
+
+def _note(signum, frame) -> None:
+    global _requested
+    _requested = True
+
+
+def install() -> Dict[int, object]:
+    """Route SIGUSR1/SIGTERM to the flag; returns the previous handlers (empty off the main thread)."""
+    previous = {}
+    for sig in SIGNALS:
+        try:
+            previous[sig] = signal.signal(sig, _note)
+        except ValueError:  # not the main thread: signals cannot be handled here
+            pass
+    return previous
+
+
+def restore(previous: Dict[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def requested() -> bool:
+    return _requested
+
+
+def clear() -> None:
+    global _requested
+    _requested = False
