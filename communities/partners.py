@@ -36,16 +36,30 @@ def cophenetic_heights(Z: np.ndarray) -> np.ndarray:
     return h / top if top > 0 else np.zeros_like(h)
 
 
+_LEFT = {}  # n -> condensed index of (j, 0) minus 1, so that (j, i) for j < i is _LEFT[n][j] + i
+
+
+def _left_offsets(n: int) -> np.ndarray:
+    off = _LEFT.get(n)
+    if off is None:
+        j = np.arange(n, dtype=np.int64)
+        off = n * j - j * (j + 1) // 2 - j - 1
+        if len(_LEFT) > 8:
+            _LEFT.clear()
+        _LEFT[n] = off
+    return off
+
+
 def condensed_row(condensed: np.ndarray, n: int, i: int) -> np.ndarray:
     """Row i of the square matrix behind a condensed distance vector (0 on the diagonal).
 
     The entries right of the diagonal are one contiguous slice of the condensed
-    vector; only those left of it need an index each.
+    vector; those left of it are a gather at offsets cached per n.
     """
-    row = np.zeros(n, dtype=np.float64)
+    row = np.empty(n, dtype=np.float64)
+    row[i] = 0.0
     if i > 0:
-        j = np.arange(i)
-        row[:i] = condensed[n * j - j * (j + 1) // 2 + (i - j - 1)]
+        np.take(condensed, _left_offsets(n)[:i] + i, out=row[:i])
     if i < n - 1:
         start = n * i - i * (i + 1) // 2
         row[i + 1:] = condensed[start: start + n - i - 1]
@@ -54,10 +68,14 @@ def condensed_row(condensed: np.ndarray, n: int, i: int) -> np.ndarray:
 
 def hierarchical_probabilities(heights: np.ndarray, n: int, i: int, temperature: float) -> np.ndarray:
     h = condensed_row(heights, n, i)
-    logits = -h / float(temperature)
+    logits = np.divide(h, -float(temperature), out=h)  # = -h / T, bit for bit
+    # the largest logit of the other ranks (heights are finite and T > 0: no scan for non-finite values)
+    top = max(logits[:i].max(initial=-np.inf), logits[i + 1:].max(initial=-np.inf))
     logits[i] = -np.inf
-    logits -= logits[np.isfinite(logits)].max()
-    w = np.exp(logits)
+    if not np.isfinite(top):  # odd heights or temperature: the general form
+        top = logits[np.isfinite(logits)].max()
+    logits -= top
+    w = np.exp(logits, out=logits)
     return w / w.sum()
 
 

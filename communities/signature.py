@@ -3,13 +3,17 @@
 A signature is ``S (w - w0)``: a seeded, fixed linear map of the drift from the
 shared initialisation to d dimensions. It is never a dense P x d matrix.
 
-``countsketch``: bucket and sign per parameter, laid out so the whole sketch is one
-GEMV over the flat buffer viewed as (rows, m): ``y = c @ W`` (a sign per row),
-then ``sig = scatter_add(bucket[col], r[col] * y[col])`` (a sign and a bucket per
-column). Parameter p = row * m + col gets sign ``c[row] * r[col]`` and bucket
-``bucket[col]``; distinct parameters get uncorrelated signs, so
-``E<Sx, Sy> = <x, y>`` as for a count-sketch. The cost is one read of the weights
-(memory bandwidth), the extra memory is O(P / m + m).
+``countsketch``: every parameter gets its own bucket and sign, with no P-sized
+table. The flat buffer is viewed as (rows, m); row r is rotated by a seeded shift
+``s_r`` so that parameter (r, c) lands at position ``q = (c + s_r) mod m`` of an
+m-wide accumulator, with sign ``row_sign[r] * col_sign[q]`` and bucket ``bucket[q]``.
+Parameters in different rows therefore collide only by chance (probability ~1/d),
+as in a true count-sketch, so ``E<Sx, Sy> = <x, y>`` and the distortion follows JL
+even for structured drifts (a low-rank update of one layer). A plain per-column
+bucket would not: every row of a column would share its bucket, and a rank-1
+drift would be sketched by a single random scalar (squared-norm ratios 0.56-1.35
+at d = 256 against the 0.09 spread JL predicts). The cost is one read of the
+weights plus one in-cache add per row; the extra memory is O(P / m + m).
 
 ``gaussian``: ``x @ G / sqrt(d)`` with G regenerated chunk by chunk from the seed,
 never stored; costs P x d random draws, so it is meant for small models.
@@ -23,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-COLUMNS = 16384  # m: the width of the (rows, m) view used by the count-sketch
+COLUMNS = 1 << 16  # m: the width of the (rows, m) view; 64 Ki float32 rows keep the accumulator in L2
 
 
 def _generator(seed: int, stream: int, device="cpu") -> torch.Generator:
@@ -47,21 +51,26 @@ class CountSketch:
         self.rows = self.n // self.m
         self.tail = self.n - self.rows * self.m
         g = _generator(seed, 1)
-        self.row_sign = _signs(self.rows + 1, g).to(device=device, dtype=dtype)
+        self.row_sign = _signs(self.rows + 1, g)
+        self.row_shift = torch.randint(0, self.m, (self.rows + 1,), generator=g)
         self.col_sign = _signs(self.m, g).to(device=device, dtype=dtype)
         self.bucket = torch.randint(0, self.dim, (self.m,), generator=g).to(device)
+        self._rows = list(zip(self.row_shift.tolist(), self.row_sign.tolist()))  # Python scalars for the loop
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
         """Sketch of ``flat`` (length n): a float64 CPU vector of length dim."""
         if flat.numel() != self.n:
             raise ValueError(f"signature built for {self.n} entries, got {flat.numel()}")
-        flat = flat.detach()
-        y = torch.zeros(self.m, dtype=flat.dtype, device=flat.device)
-        if self.rows:
-            y += self.row_sign[: self.rows] @ flat[: self.rows * self.m].view(self.rows, self.m)
+        flat, m = flat.detach(), self.m
+        # Row r is added at offset s_r of a 2m-wide accumulator; folding its halves is the rotation.
+        acc = torch.zeros(2 * m, dtype=flat.dtype, device=flat.device)
+        body = flat[: self.rows * m].view(self.rows, m)
+        for r, (shift, sign) in enumerate(self._rows[: self.rows]):
+            acc[shift: shift + m].add_(body[r], alpha=sign)
         if self.tail:
-            y[: self.tail] += self.row_sign[self.rows] * flat[self.rows * self.m :]
-        y = (y * self.col_sign).double()
+            shift, sign = self._rows[self.rows]
+            acc[shift: shift + self.tail].add_(flat[self.rows * m:], alpha=sign)
+        y = (acc[:m] + acc[m:]).mul_(self.col_sign).double()
         out = torch.zeros(self.dim, dtype=torch.float64, device=flat.device)
         out.index_add_(0, self.bucket, y)
         return out.cpu()

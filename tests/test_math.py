@@ -50,6 +50,25 @@ def test_signature_distances_track_true_distances(kind):
     assert np.max(np.abs(r - 1.0)) < 4 * eps
 
 
+def test_countsketch_distortion_holds_for_low_rank_drift():
+    """A rank-1 or rank-2 update of one layer is the typical drift; its rows are correlated, so a sketch whose
+    buckets depend on the column alone would see it through one random scalar (spread ~2.5x JL's)."""
+    d, rows, cols = 256, 400, 500
+    sk = signature.CountSketch(rows * cols + 123, d, seed=3, columns=1000)  # 200 rows of the (rows, m) view
+    rng = np.random.default_rng(0)
+    ratios = []
+    for k in range(60):
+        rank = 1 + k % 2
+        x = torch.zeros(rows * cols + 123)
+        x[61: 61 + rows * cols] = torch.from_numpy((rng.normal(size=(rows, rank)) @ rng.normal(size=(rank, cols)))
+                                                   .astype(np.float32).reshape(-1))
+        ratios.append(float(sk(x).norm() ** 2 / x.double().norm() ** 2))
+    ratios = np.array(ratios)
+    eps = math.sqrt(2.0 / d)  # JL: std of the squared-norm ratio
+    assert abs(ratios.mean() - 1.0) < 3 * eps / math.sqrt(len(ratios)) + 0.02
+    assert ratios.std() < 1.5 * eps, f"squared-norm ratio spread {ratios.std():.3f} vs JL {eps:.3f}"
+
+
 def test_countsketch_is_linear_so_drift_needs_no_copy():
     P = 70_001  # not a multiple of the column width: exercises the tail
     sk = signature.CountSketch(P, 64, seed=5)
@@ -63,7 +82,7 @@ def test_countsketch_is_linear_so_drift_needs_no_copy():
 def test_countsketch_never_holds_a_P_by_d_matrix():
     P, d = 10_000_000, 256
     sk = signature.CountSketch(P, d, seed=0)
-    held = sum(t.numel() * t.element_size() for t in (sk.row_sign, sk.col_sign, sk.bucket))
+    held = sum(t.numel() * t.element_size() for t in (sk.row_sign, sk.row_shift, sk.col_sign, sk.bucket))
     assert held < 0.05 * P * 4  # far below even one copy of the weights, let alone P x d
     assert sk.m * sk.rows + sk.tail == P
 
@@ -267,3 +286,126 @@ def test_outer_optimizer_identity_at_lr1_mu0():
 def test_a_world_of_one_is_one_community():
     com = clustering.find_communities(np.ones((1, 8)), cut="auto")
     assert com.count == 1 and com.Z.shape == (0, 4)
+
+
+# ----------------------------------------------------------------------------- fast distances, same communities
+
+def _pdist_reference(S, metric):
+    """What clustering.pairwise computed before the Gram blocks: scipy pdist on float64 (unit rows for cosine)."""
+    from scipy.spatial.distance import pdist
+
+    S = np.asarray(S, dtype=np.float64)
+    if metric == "euclidean":
+        return pdist(S, "euclidean")
+    norms = np.linalg.norm(S, axis=1, keepdims=True)
+    U = np.divide(S, norms, out=np.zeros_like(S), where=norms > 0)
+    return np.clip(pdist(U, "sqeuclidean") / 2.0, 0.0, 2.0)
+
+
+def _signature_sets():
+    rng = np.random.default_rng(7)
+    S, _ = planted(8, 40, d=256, spread=0.3)
+    yield "planted", S
+    yield "planted float32", S.astype(np.float32)
+    yield "gaussian", rng.normal(size=(300, 48))
+    base = rng.normal(size=128)
+    yield "near consensus", base + 1e-6 * rng.normal(size=(200, 128))
+    far = rng.normal(size=(120, 64)) * 1e3 + 50.0
+    far[60:70] = far[:10] + 1e-4 * rng.normal(size=(10, 64))  # a few near-duplicate pairs: recomputed directly
+    far[80] = far[3]  # an exact duplicate
+    yield "offset, near duplicates", far
+    z = rng.normal(size=(40, 16))
+    z[[5, 17]] = 0.0  # zero signatures
+    yield "zero rows", z
+    yield "two ranks", rng.normal(size=(2, 8))
+    yield "block edge", rng.normal(size=(clustering._BLOCK + 2, 8))
+
+
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+def test_fast_distances_equal_scipy_pdist(metric):
+    for name, S in _signature_sets():
+        ref = _pdist_reference(S, metric)
+        got = clustering.pairwise(S, metric)
+        assert clustering._gram_distances(clustering._rows(S, metric), metric) is not None, name  # not pdist
+        assert got.shape == ref.shape and got.dtype == np.float64, name
+        zero = ref == 0
+        assert np.array_equal(got[zero], ref[zero]), name
+        rel = np.abs(got[~zero] - ref[~zero]) / ref[~zero]
+        assert rel.max(initial=0.0) <= 1e-12, (name, float(rel.max()))
+        assert np.array_equal(got, clustering.pairwise(S, metric)), name  # the same bytes give the same bits
+
+
+def test_many_near_duplicates_and_non_finite_rows_fall_back_to_pdist():
+    rng = np.random.default_rng(3)
+    base = rng.normal(size=(2, 32))
+    S = base[np.arange(100) % 2] + 1e-9 * rng.normal(size=(100, 32))  # two tight groups: most pairs are close
+    assert clustering._gram_distances(clustering._rows(S, "euclidean"), "euclidean") is None
+    assert np.array_equal(clustering.pairwise(S, "euclidean"), _pdist_reference(S, "euclidean"))
+    S = rng.normal(size=(10, 8))
+    S[4, 2] = np.nan
+    assert np.isnan(clustering.pairwise(S, "euclidean")).sum() == 9  # as pdist: the linkage then refuses it
+
+
+@pytest.mark.parametrize("method,metric", [("average", "cosine"), ("complete", "cosine"), ("ward", "euclidean"),
+                                           ("single", "euclidean"), ("average", "euclidean")])
+def test_find_communities_gives_the_labels_of_the_pdist_version(method, metric):
+    """On planted data the fast distances build the tree, cut and labels that pdist + sklearn silhouettes gave."""
+    from scipy.cluster import hierarchy
+
+    from communities import bench
+
+    for seed, (groups, per, d) in enumerate([(4, 4, 64), (8, 24, 256), (5, 60, 32)]):
+        S, truth = planted(groups, per, d=d, spread=0.4, seed=seed)
+        S = S.astype(np.float32)
+        ref_d = _pdist_reference(S, metric)
+        ref_Z = hierarchy.linkage(ref_d, method=method)
+        for cut in ("auto", "maxclust"):
+            com = clustering.find_communities(S, method, metric, cut, k=groups, min_separation=0.05)
+            assert np.allclose(com.Z, ref_Z, rtol=1e-12, atol=1e-14)
+            assert np.array_equal(com.Z[:, [0, 1, 3]], ref_Z[:, [0, 1, 3]])  # the same merges, in the same order
+            if cut == "auto":
+                scale = 1.0
+                if metric == "euclidean":
+                    scale = float(np.sqrt(np.mean(np.sum(S.astype(np.float64) ** 2, axis=1))))
+                ref = bench._cut_auto_sklearn(ref_Z, ref_d, min(16, S.shape[0] - 1), 0.25, 0.05 * scale)
+            else:
+                ref = clustering.canonical(hierarchy.fcluster(ref_Z, t=groups, criterion="maxclust"))
+            assert np.array_equal(com.labels, ref), (seed, cut)
+            assert adjusted_rand_score(truth, com.labels) == 1.0
+
+
+def test_hierarchical_probabilities_equal_the_general_form():
+    """The fast path (no scan for non-finite logits) gives the bits of the plain formula."""
+    S, _ = planted(3, 5, d=16)
+    n = S.shape[0]
+    h = partners.cophenetic_heights(clustering.find_communities(S, cut="maxclust", k=3).Z)
+    for i in range(n):
+        for T in (1e-3, 0.07, 1.0, 1e9, np.inf):
+            logits = -partners.condensed_row(h, n, i) / T
+            logits[i] = -np.inf
+            logits -= logits[np.isfinite(logits)].max()
+            w = np.exp(logits)
+            assert np.array_equal(partners.hierarchical_probabilities(h, n, i, T), w / w.sum()), (i, T)
+
+
+# ----------------------------------------------------------------------------- outer optimizer
+
+def test_outer_optimizer_is_torch_sgd_with_nesterov_on_pseudo_gradients():
+    """DiLoCo's outer step: OuterOptimizer on g = w_before - w_merged equals torch.optim.SGD(nesterov) on g."""
+    gen = torch.Generator().manual_seed(0)
+    n, lr, mu = 257, 0.7, 0.9
+    w0 = torch.randn(n, generator=gen, dtype=torch.float64)
+    p = torch.nn.Parameter(w0.clone())
+    sgd = torch.optim.SGD([p], lr=lr, momentum=mu, nesterov=True)
+    outer = merge.OuterOptimizer(n, lr, mu, True, dtype=torch.float64)
+    w = w0.clone()
+    for step in range(6):
+        g = torch.randn(n, generator=gen, dtype=torch.float64) * (0.5 + step)
+        p.grad = g.clone()
+        sgd.step()
+        before = w.clone()
+        merged = before - g  # what a merge leaves; its pseudo-gradient before - merged is g up to rounding
+        outer.step_(before, merged)
+        w = merged
+        assert torch.allclose(w, p.detach(), rtol=0, atol=1e-12), step
+        assert torch.allclose(outer.m, sgd.state[p]["momentum_buffer"], rtol=0, atol=1e-12), step
