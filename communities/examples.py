@@ -539,10 +539,13 @@ class ExampleTable:
         out["forgetting_events"] = int(self.forgetting_events)
         return out
 
+    def hard_rows(self, tau_hard: float) -> np.ndarray:
+        """Rows every rank has trained on whose confidence is still below ``tau_hard``."""
+        return np.flatnonzero(self.all_visited() & (self.confidence < float(tau_hard)))
+
     def globally_hard(self, tau_hard: float) -> np.ndarray:
-        """Sorted ids every rank has trained on whose confidence is still below ``tau_hard``."""
-        mask = self.all_visited() & (self.confidence < float(tau_hard))
-        return np.sort(self.ids[mask])
+        """Sorted ids of ``hard_rows``."""
+        return np.sort(self.ids[self.hard_rows(tau_hard)])
 
     # ------------------------------------------------------------------ moving rows
 
@@ -762,17 +765,3 @@ def unpack(floats, ints, feature_shape, world: int, visited: str = "auto", capac
     table.forgets = blocks["forgets"].astype(np.int32)
     table.visited = words
     return feat.reshape((n,) + shape).copy(), labels.copy(), table
-
-
-def pad(floats, ints, n_max: int) -> Tuple[np.ndarray, np.ndarray]:
-    """The same packet re-laid out with ``n_max`` slots (>= its n), so both partners send equal sizes."""
-    form, n, f, feat, conf, blocks, vis = _parse(floats, ints, None, None)
-    return _build(blocks, conf, feat, vis, form, f, n_max)
-
-
-def packet_count(ints) -> int:
-    """The number of examples a (validated or not) packet announces: header entry 2."""
-    ints = _numpy(ints)
-    if ints.dtype != np.int64 or ints.ndim != 1 or ints.size < HEADER or int(ints[0]) != MAGIC:
-        raise ValueError("not an example packet")
-    return int(ints[2])

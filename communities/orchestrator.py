@@ -14,7 +14,6 @@ import math
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,13 +25,13 @@ import numpy as np
 import torch
 
 from . import (checkpoint, clustering, data, merge, models, partners, probe, protocol, robust, schedule, signature,
-               strategies, tracking, train)
+               stopflag, strategies, tracking, train)
 from .comm import Stopwatch, World
 from .config import Config, ConfigError, differences
-from .exchange import MERGE_BLOCK, swap_and_merge_blocked
+from .exchange import ChunkBuffers, swap_and_merge_chunked
 from .results import ResultsError, RunWriter, atomic_write_bytes, read_json, read_jsonl, repair_jsonl
 
-METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent")
+METRIC_FIELDS = ("t", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent", "wall")
 MERGE_FIELDS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes", "event")
 # merges.jsonl events: a pairwise merge; a global Allreduce average (j = initiator = -1); kept my weights because
 # the partner diverged; took the partner's weights because I diverged; left alone because I am quarantined.
@@ -84,7 +83,9 @@ def collective_check(world: World, fn, root: int = 0):
     if msg:
         kind, text = msg.split("\0", 1)
         if kind == "bug":
-            raise RuntimeError(f"rank {root} failed during set-up: {text}")
+            err = RuntimeError(f"rank {root} failed during set-up: {text}")
+            err.failed_rank = root  # the CLI prints one traceback, the failing rank's
+            raise err
         if kind == "done":
             raise RunComplete(text)
         raise collective(ConfigError(text))
@@ -97,14 +98,16 @@ def collective(exc: Exception) -> Exception:
     return exc
 
 
-def select_device(cfg: Config, world: World) -> torch.device:
-    if cfg.device == "cpu":
+def select_device(device: str, local_rank: int) -> torch.device:
+    """``cpu``, ``cuda`` (an error where torch sees no GPU) or ``auto``: GPU ``local_rank % count`` if any."""
+    if device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        if cfg.device == "cuda":
-            raise ConfigError("device='cuda' but torch sees no CUDA device on this node")
+        if device == "cuda":
+            raise ConfigError(f"device='cuda' but torch {torch.__version__} sees no CUDA device on host "
+                              f"{platform.node()}")
         return torch.device("cpu")
-    return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 @dataclass
@@ -141,7 +144,8 @@ class Engine:
         world.set_timeout(cfg.comm.timeout)
         torch.set_num_threads(cfg.threads or _env_threads())
         torch.use_deterministic_algorithms(True, warn_only=True)
-        self.device = select_device(cfg, world)
+        local_rank = world.local_rank if cfg.device != "cpu" else 0  # a collective: before on_every_rank
+        self.device = on_every_rank(world, lambda: select_device(cfg.device, local_rank))
         self.watch = Stopwatch()
         self.state = RankState()
         self.writer: Optional[RunWriter] = None
@@ -156,8 +160,9 @@ class Engine:
         self._pending = None  # overlapped signature allgather: (request, gathered, sent)
         self._merges_logged = 0
         self._wall_before = 0.0  # wall time of earlier segments of a resumed run
-        self._stop_signal = False
         self.outliers = np.zeros(self.n, dtype=bool)  # robust: ranks left out, identical on every rank
+        # BLAS distances only where every rank runs the same kernels; else pdist, the same bits on any CPU
+        self.fast_distances = len(set(world.allgather_text(clustering.blas_fingerprint()))) == 1
         f = cfg.faults
         self.hostile = f.hostile_rank == self.rank
         self._hostile_rng = torch.Generator().manual_seed(cfg.seed * 31 + 7)
@@ -215,8 +220,7 @@ class Engine:
             self.world.bcast_(flat, root=0)
         torch.manual_seed(cfg.seed * 104729 + self.rank)  # dropout and other stochastic layers
         self.model, self.flat, self.n_params = model, flat, n_params
-        self.recv = torch.empty_like(flat)
-        self._scratch = torch.empty(min(MERGE_BLOCK, flat.numel()), dtype=flat.dtype) if flat.device.type == "cpu" else None
+        self._chunks = ChunkBuffers(flat.numel(), flat.dtype)
         self.opt = train.make_optimizer(cfg.train, model.parameters())
         sc = cfg.signature
         self.probe_signer = None
@@ -334,7 +338,7 @@ class Engine:
         cfg, st = self.cfg, self.state
         self._wall0 = time.perf_counter()
         bar = self._progress_bar()
-        previous_handlers = self._install_signal_handlers()
+        previous_handlers = stopflag.install()
         try:
             for t in range(st.t + 1, cfg.train.budget + 1):
                 st.t = t
@@ -354,11 +358,12 @@ class Engine:
                     stop = self._signature_round(t)
                 self._maybe_eval_consensus(t)
                 self._progress(bar, t)
-                if self._stop_requested():
+                if stop:  # decided identically on every rank: a pending stop signal is moot, the run ends here
+                    break
+                # Polled at signature rounds only, so that between rounds a slow rank delays its partners alone.
+                if t % cfg.signature.every == 0 and self._stop_requested():
                     self._checkpoint(t)
                     self._preempt(t)
-                if stop:
-                    break
                 if cfg.checkpoint.every and t % cfg.checkpoint.every == 0 and t < cfg.train.budget:
                     self._checkpoint(t)
             self._final_eval()
@@ -370,8 +375,7 @@ class Engine:
             # they are exiting, and they must still exit 75 rather than die of the signal.
             raise
         else:
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+            stopflag.restore(previous_handlers)
             return summary
         finally:
             if bar is not None:
@@ -379,22 +383,9 @@ class Engine:
 
     # ------------------------------------------------------------------ stop, checkpoint, resume
 
-    def _install_signal_handlers(self) -> dict:
-        """SIGUSR1/SIGTERM only set a flag; the ranks act on it together at the next unit boundary."""
-        def request_stop(signum, frame):
-            self._stop_signal = True
-
-        previous = {}
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            try:
-                previous[sig] = signal.signal(sig, request_stop)
-            except ValueError:  # not the main thread
-                pass
-        return previous
-
     def _stop_requested(self) -> bool:
-        """One tiny Allreduce: stop if any rank got a signal or rank 0 sees ``RUN_DIR/STOP``."""
-        local = self._stop_signal or (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
+        """One tiny Allreduce: stop if any rank got a signal (``stopflag``) or rank 0 sees ``RUN_DIR/STOP``."""
+        local = stopflag.requested() or (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
         with self.watch("idle"):
             return self.world.allreduce_scalar(float(local), "max") > 0
 
@@ -413,6 +404,10 @@ class Engine:
                     print(f"communities: scontrol requeue {job} failed: {res.stderr.strip()}", file=sys.stderr)
             print(f"communities: stopped at t={t}, checkpoint written"
                   + (f"; job {job} requeued" if requeued else "; continue with --resume"), flush=True)
+        # No rank exits before rank 0 has committed: srun --kill-on-bad-exit would otherwise kill rank 0
+        # mid-commit when the first rank exits 75.
+        with self.world.watchdog.waiting("Barrier before exiting on a stop (rank 0 commits the checkpoint)"):
+            self.world.barrier()
         raise Preempted(f"stopped at t={t}")
 
     def _checkpoint(self, t: int, final: bool = False) -> None:
@@ -447,7 +442,8 @@ class Engine:
         com = self.strategy.communities
         pending = None
         if self._pending is not None:  # finish the overlapped gather now; its result is needed after resume
-            self._pending[0].Wait()
+            with self.world.watchdog.waiting("Iallgather of signatures (some rank has not arrived)"):
+                self._pending[0].Wait()
             pending = torch.from_numpy(self._pending[1].copy())
         return {
             "version": 1, "rank": self.rank, "world_size": self.n, "t": st.t,
@@ -463,7 +459,7 @@ class Engine:
                 "cut_height": float(com.cut_height), "distances": torch.from_numpy(com.distances.copy())},
             "bytes_sent": int(self.world.bytes_sent), "bytes_monitoring": int(self.world.bytes_monitoring),
             "watch": dict(self.watch.total),
-            "wall": self._wall_before + time.perf_counter() - self._wall0 if hasattr(self, "_wall0") else 0.0,
+            "wall": self._elapsed(),
             "merges_logged": self._merges_logged,
             "state": {
                 "samples": st.samples, "recent_loss": st.recent_loss, "test_acc": st.test_acc,
@@ -560,7 +556,12 @@ class Engine:
             with self.watch("eval"):
                 test_acc, test_loss = train.evaluate(self.model, self.x_test, self.y_test)
             st.test_acc, st.test_loss = test_acc, test_loss
-        st.metric_rows.append([t, res.loss, res.accuracy, test_acc, test_loss, st.samples, self.world.bytes_sent])
+        st.metric_rows.append([t, res.loss, res.accuracy, test_acc, test_loss, st.samples, self.world.bytes_sent,
+                               self._elapsed()])
+
+    def _elapsed(self) -> float:
+        """Seconds of this run on this rank, earlier segments of a resumed run included."""
+        return self._wall_before + (time.perf_counter() - self._wall0 if hasattr(self, "_wall0") else 0.0)
 
     def _outgoing(self) -> torch.Tensor:
         """What this rank shows others: its weights, or a simulated Byzantine rank's lie."""
@@ -600,11 +601,12 @@ class Engine:
                                              mc.alpha, t, mc.ema), 0
             before = self.flat.clone() if self.outer is not None and event == 0 else None
             if self.hostile:
-                self.world.sendrecv(self._outgoing(), self.recv, partner, tag=2)
-                distance = float(torch.dist(self.flat, self.recv))
-                merge.interpolate_(self.flat, self.recv, a)
+                recv = torch.empty_like(self.flat)
+                self.world.sendrecv(self._outgoing(), recv, partner, tag=2)
+                distance = float(torch.dist(self.flat, recv))
+                merge.interpolate_(self.flat, recv, a)
             else:
-                distance = swap_and_merge_blocked(self.world, self.flat, self.recv, partner, a, scratch=self._scratch)
+                distance = swap_and_merge_chunked(self.world, self.flat, partner, a, self._chunks)
             if before is not None:
                 self.outer.step_(before, self.flat)
                 update = float(torch.dist(self.flat, before))
@@ -639,10 +641,7 @@ class Engine:
 
     def _keep(self) -> bool:
         """Whether this rank's weights count in averages and the consensus model."""
-        if self.outliers[self.rank]:
-            return False
-        return not (self.state.diverged and self.cfg.robust.diverged == "quarantine") and \
-            not (self.state.diverged and not torch.isfinite(self.flat).all())
+        return not (self.outliers[self.rank] or self.state.diverged)
 
     def _masked_mean(self) -> torch.Tensor:
         """Allreduce mean over the ranks that ``_keep``; equals the plain mean (bit for bit) when all do."""
@@ -727,7 +726,8 @@ class Engine:
             com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
                                               max_k=min(cc.max_communities, self.n - 1),
                                               min_silhouette=cc.min_silhouette,
-                                              min_separation=cc.min_separation, distances=pre)
+                                              min_separation=cc.min_separation, distances=pre,
+                                              fast=self.fast_distances)
             self.strategy.observe(com)
             counted = np.isfinite(raw).all(axis=1) & ~self.outliers
             disp = float("nan")
@@ -745,7 +745,7 @@ class Engine:
                 self.strategy.bias = partners.staleness_weights(self.world.allgather(self.seen_at), t)
             law = self.strategy.law(t)
             self._digest = protocol.digest(np.frombuffer(self._digest, dtype=np.uint8), com.labels, com.Z, S,
-                                           self.outliers)
+                                           self.outliers, com.distances)
         if cfg.comm.check_hashes:
             with self.watch("idle"):
                 self.world.agree(self._digest, f"the exchange lists and communities up to t={t}")
@@ -758,11 +758,12 @@ class Engine:
             ari = float(adjusted_rand_score([s.group for s in self.shards], com.labels))
             if st.first_ari is None:
                 st.first_ari = ari
-        # consensus: every rank decides identically from the same gathered signatures
-        if self.strategy.annealed(t) and math.isfinite(disp) and disp < cfg.consensus.tol:
-            st.calm_rounds += 1
-        else:
-            st.calm_rounds = 0
+        # consensus: every rank decides identically from the same gathered signatures and update norms
+        update, relative_update = self._merge_activity()
+        calm = self.strategy.annealed(t) and math.isfinite(disp) and disp < cfg.consensus.tol
+        if calm and cfg.consensus.update_tol is not None and relative_update is not None:
+            calm = relative_update < cfg.consensus.update_tol
+        st.calm_rounds = st.calm_rounds + 1 if calm else 0
         reached = st.calm_rounds >= cfg.consensus.patience
         if reached and st.consensus_t is None:
             st.consensus_t = t
@@ -772,7 +773,8 @@ class Engine:
             "p_cross": law.p_cross if law is not None and law.kind == "flat" else None,
             "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
             "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
-            "dispersion": _num(disp), "ari": ari, "hash": self._digest.hex(),
+            "dispersion": _num(disp), "mean_update_norm": update, "relative_update": relative_update,
+            "ari": ari, "hash": self._digest.hex(),
             "outliers": np.flatnonzero(self.outliers).tolist() if cfg.robust.enabled else None,
         }
         self._flush_logs(info, S, com)
@@ -811,17 +813,29 @@ class Engine:
             out.append(d)
         self.writer.append_jsonl("examples.jsonl", out)
 
+    def _merge_activity(self):
+        """(mean merge update norm since the last round, that over the mean weight norm), the same on every rank.
+
+        ``None, None`` when no rank merged. The ratio is what ``consensus.update_tol``
+        bounds: merges that still move the weights mean the ranks have not settled.
+        """
+        st = self.state
+        row = np.array([sum(st.update_norms), len(st.update_norms), float(self.flat.norm())], dtype=np.float64)
+        st.update_norms = []
+        with self.watch("idle"), self.world.monitoring():
+            g = self.world.allgather(row)
+        count = g[:, 1].sum()
+        if count == 0:
+            return None, None
+        mean = float(g[:, 0].sum() / count)
+        norms = g[np.isfinite(g[:, 2]), 2]
+        scale = float(norms.mean()) if norms.size else 0.0
+        return _num(mean), (_num(mean / scale) if scale > 0 else None)
+
     def _flush_logs(self, info: Optional[dict] = None, S=None, com=None) -> None:
         """Gather the log rows to rank 0 and, at a signature round, write the round."""
-        st = self.state
-        local_norm = np.array([[sum(st.update_norms), len(st.update_norms)]], dtype=np.float64)
-        st.update_norms = []
         self._gather_rows()
-        with self.watch("idle"):
-            norms = self.world.gather_rows(local_norm)
         if self.rank == 0 and info is not None:
-            tot = np.sum(np.concatenate(norms), axis=0)
-            info["mean_update_norm"] = float(tot[0] / tot[1]) if tot[1] > 0 else None
             self.writer.write_round(info["round"], S.astype(np.float32), com.Z, com.labels, info)
 
     def _gather_rows(self) -> None:
@@ -838,11 +852,11 @@ class Engine:
             for m in block:
                 rows.append({"t": int(m[0]), "rank": r, "loss": _num(m[1]), "train_acc": _num(m[2]),
                              "test_acc": _num(m[3]), "test_loss": _num(m[4]), "samples": int(m[5]),
-                             "bytes_sent": int(m[6])})
+                             "bytes_sent": int(m[6]), "wall": round(float(m[7]), 4)})
         rows.sort(key=lambda d: (d["t"], d["rank"]))
         self.writer.append_jsonl("metrics.jsonl", rows)
         mrows = [{"t": int(m[0]), "i": int(m[1]), "j": int(m[2]), "initiator": int(m[3]), "a": float(m[4]),
-                  "update_norm": float(m[5]), "distance": _num(m[6]), "bytes": int(m[7]),
+                  "update_norm": _num(m[5]), "distance": _num(m[6]), "bytes": int(m[7]),
                   "rule": self.cfg.merge.rule if m[8] == 0 else self.cfg.strategy, "event": EVENTS[int(m[8])]}
                  for block in merges for m in block]
         mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
@@ -883,13 +897,17 @@ class Engine:
 
     def _finish(self) -> dict:
         cfg, st = self.cfg, self.state
+        if self._pending is not None:  # no request may stay active into MPI_Finalize
+            with self.world.watchdog.waiting("Iallgather of signatures (some rank has not arrived)"):
+                self._pending[0].Wait()
+            self._pending = None
         self._gather_rows()
         with self.world.monitoring():
             mean = self._consensus_flat()
         with self.watch("eval"):
             c_acc, c_loss = self._evaluate_flat(mean)
         dist = float(torch.dist(self.flat, mean) / max(float(mean.norm()), 1e-12))
-        wall = self._wall_before + time.perf_counter() - self._wall0
+        wall = self._elapsed()
         split = [self.watch.total[c] for c in Stopwatch.CATEGORIES]
         row = np.array([[st.test_acc, dist, self.world.bytes_sent, wall, self.world.bytes_monitoring,
                          self.world.bytes_data, *split]], dtype=np.float64)

@@ -35,13 +35,15 @@ def sanitize(signatures: np.ndarray) -> np.ndarray:
 def outliers(signatures: np.ndarray, factor: float) -> np.ndarray:
     """Ranks whose signature lies more than ``factor`` x the median distance from the coordinate-wise median.
 
-    Non-finite rows are outliers. The median is what one hostile rank (of at
-    least three) cannot move far; honest ranks in planted groups sit at
-    comparable distances from it.
+    The median is what one hostile rank (of at least three) cannot move far;
+    honest ranks in planted groups sit at comparable distances from it.
+    Non-finite rows are not flagged: they are diverged ranks, which must stay in
+    the exchanges so that a partner can reset them (``robust.diverged``); they
+    are never merged into anyone, and the consensus leaves them out anyway.
     """
     S = np.asarray(signatures, dtype=np.float64)
     finite = np.isfinite(S).all(axis=1)
-    mask = ~finite
+    mask = np.zeros(len(S), dtype=bool)
     if finite.sum() < 3:
         return mask
     centre = np.median(S[finite], axis=0)

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from . import examples, protocol
 
 
-
 class ExampleTracker:
     """One rank's examples: ``table`` rows <-> ``x``/``y`` rows, plus the policies of ``cfg`` (ExamplesConfig)."""
 
@@ -142,6 +141,9 @@ class ExampleTracker:
             kept = table.remove(rows)
             x_keep = x_keep[kept]
         new = ~np.isin(incoming.ids, table.ids)  # keep-copy mode: an example may come back to a rank holding it
+        if cfg.handover and not new.all():  # hand-over keeps every example on exactly one rank
+            raise RuntimeError(f"rank {self.rank}: partner rank {partner} handed over examples this rank already "
+                               f"holds (ids {incoming.ids[~new][:8].tolist()}): the shards overlap")
         if not new.all():
             incoming, x_in = incoming.take(np.flatnonzero(new)), x_in[new]
         table.append(incoming)
@@ -164,9 +166,9 @@ class ExampleTracker:
 
     def globally_hard(self) -> np.ndarray:
         """(ids, confidence) rows of examples every rank trained on and that are still below tau_hard."""
-        mask = self.table.all_visited() & (self.table.confidence < self.cfg.tau_hard)
-        return np.stack([self.table.ids[mask].astype(np.float64),
-                         self.table.confidence[mask].astype(np.float64)], axis=1).reshape(-1, 2)
+        rows = self.table.hard_rows(self.cfg.tau_hard)
+        return np.stack([self.table.ids[rows].astype(np.float64),
+                         self.table.confidence[rows].astype(np.float64)], axis=1).reshape(-1, 2)
 
     def state_dict(self) -> dict:
         return {"table": self.table.state_dict(), "passed_out": self.passed_out, "passed_in": self.passed_in}

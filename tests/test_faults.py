@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from communities import robust
 from communities.results import open_run
 
 from .conftest import initial_mean_and_final, run_engine
@@ -52,6 +53,30 @@ def test_a_nan_rank_never_poisons_the_consensus(digits):
     print(f"clean {clean['consensus_test_acc']:.4f}  nan-rank {s['consensus_test_acc']:.4f}")
 
 
+def test_a_nan_rank_is_still_reset_when_outliers_are_excluded(digits):
+    """robust.enabled leaves signature outliers out of the exchanges; a NaN rank must stay in them, or no
+    partner could ever reset it and its shard would be lost for the rest of the run."""
+    cfg, root, clean = digits
+    run_engine(8, cfg, root / "nan_robust", "faults.nan_rank=3", "faults.nan_at=12", "robust.enabled=true")
+    s = summary(root / "nan_robust")
+    assert s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.01
+    run = open_run(root / "nan_robust" / "faults")
+    assert any(m["event"] == "reset" and m["i"] == 3 for m in run.merges())
+    assert all(3 not in (r.info["outliers"] or []) for r in run.rounds())
+    assert np.isfinite(s["rank_test_acc"][3]) and s["rank_test_acc"][3] > 0.5  # it trains again after the reset
+
+
+def test_outlier_mask_flags_a_far_signature_but_not_a_diverged_one():
+    rng = np.random.default_rng(0)
+    S = rng.normal(size=(8, 32))
+    S[6] *= 50.0  # a hostile rank: far from the coordinate-wise median
+    S[2] = np.nan  # a diverged rank: handled by the reset path, not by exclusion
+    mask = robust.outliers(S, factor=3.0)
+    assert mask.tolist() == [i == 6 for i in range(8)]
+    assert not robust.outliers(S[:3], factor=3.0).any()  # two finite rows: no median to trust
+    assert (robust.sanitize(S)[2] == 0).all() and np.isfinite(robust.sanitize(S)).all()
+
+
 def test_quarantine_leaves_the_diverged_rank_out(digits):
     cfg, root, clean = digits
     run_engine(8, cfg, root / "q", "faults.nan_rank=5", "faults.nan_at=12", "robust.diverged=quarantine")
@@ -76,16 +101,27 @@ def test_a_hostile_rank_is_isolated_by_the_robust_option(digits, kind):
         # random weights of the same norm are trained away and cost nothing measurable here)
         assert off["consensus_test_acc"] < min(clean["consensus_test_acc"], on["consensus_test_acc"]) - 0.03
     rounds = open_run(root / f"on_{kind}" / "faults").rounds()
-    assert all(r.info["outliers"] == [6] for r in rounds)
-    assert all(np.sum(r.labels == r.labels[6]) == 1 for r in rounds)  # a singleton community
+    # A scaled sender is far from the median at once; random weights of the same norm start at ~5x the median
+    # distance, on the default outlier_factor, and are left out from the second round on (measured: 5.0, 7.9).
+    judged = rounds if kind == "scale" else rounds[1:]
+    assert all(r.info["outliers"] == [6] for r in judged)
+    assert all(r.info["outliers"] in ([], [6]) for r in rounds)  # never an honest rank
+    assert all(np.sum(r.labels == r.labels[6]) == 1 for r in judged)  # a singleton community
 
 
 def test_stalled_rank_trips_the_watchdog_naming_ranks(tmp_path, tiny_config):
     res = run_engine(4, tiny_config, tmp_path, "faults.stall_rank=2", "faults.stall_at=3", "comm.timeout=5",
                      check=False, timeout=120)
     assert res.returncode != 0
-    assert "watchdog: rank" in res.stderr and "t=3" in res.stderr
-    assert "rank 2" in res.stderr or "some rank has not arrived" in res.stderr
+    # The others run on past the stall until they need rank 2: an exchange with it (which names it), or the
+    # signature round at t=5 (a collective: nobody can tell who is missing). No per-unit barrier holds them.
+    import re
+
+    m = re.search(r"watchdog: rank (\d) waited more than 5s at t=(\d+) in (.*)", res.stderr)
+    assert m, res.stderr[-2000:]
+    waiter, t, what = int(m.group(1)), int(m.group(2)), m.group(3)
+    assert waiter != 2 and 3 <= t <= 5
+    assert "rank 2" in what or (t == 5 and "some rank has not arrived" in what)
 
 
 def test_stress_16_ranks_slowdowns_conserve_the_mean(tmp_path, tiny_config):

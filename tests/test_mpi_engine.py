@@ -43,6 +43,8 @@ def test_run_writes_the_results_layout(tmp_path, tiny_config, n):
     r0 = run.round(0)
     assert r0.signatures.shape == (n, 64) and r0.Z.shape == (n - 1, 4) and r0.labels.shape == (n,)
     assert len(r0.info["hash"]) == 32
+    walls = [m["wall"] for m in metrics if m["rank"] == 0]
+    assert walls == sorted(walls) and walls[0] > 0  # seconds since the run started, per unit
     assert s["bytes_sent_mean"] > 0 and set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval"}
 
 
@@ -133,6 +135,19 @@ def test_quickstart_meets_its_promises(tmp_path):
     assert s["first_round_ari"] >= 0.9
     assert s["communities_per_round"][-1] == 1
     assert s["final_dispersion"] < config.load("configs/quickstart.yaml").consensus.tol
+
+
+def test_update_tol_gates_the_consensus_stop(tmp_path, tiny_config):
+    """Dispersion alone stops the tiny run early; an update_tol no merge can meet keeps it going to the budget,
+    and every round logs the relative update norm it was judged on, the same on every rank (rank 0 writes it)."""
+    stop = ["consensus.stop=true", "consensus.tol=0.5", "consensus.patience=1", "train.budget=60"]
+    run_engine(4, tiny_config, tmp_path / "a", *stop)
+    run_engine(4, tiny_config, tmp_path / "b", *stop, "consensus.update_tol=1e-9")
+    a, b = open_run(tmp_path / "a" / "tiny"), open_run(tmp_path / "b" / "tiny")
+    assert a.summary["consensus_reached_t"] is not None and a.summary["units"] < 60
+    assert b.summary["consensus_reached_t"] is None and b.summary["units"] == 60
+    rel = [r.info["relative_update"] for r in b.rounds()]
+    assert all(v is None or v > 1e-9 for v in rel) and any(v is not None for v in rel)
 
 
 @pytest.mark.parametrize("strategy, extra", [("local_sgd", ["merge.period=3"]),
