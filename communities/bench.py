@@ -1,17 +1,20 @@
-"""Benchmarks: ``communities bench exchange | signature | clustering | overhead``.
+"""Benchmarks: ``communities bench exchange | signature | clustering | overhead | inspect``.
 
 Each prints a table of measured figures (and writes them with ``--json PATH``).
 Nothing here asserts a speed: targets are printed next to the figures so a
 reader can judge them on their own machine.
 
 - ``exchange`` (under ``mpiexec -n 2``, or any even number of ranks paired
-  0-1, 2-3, ...): the engine's pairwise exchange ``exchange.swap_and_merge_blocked``
-  against a raw mpi4py ``Sendrecv`` of the same bytes, plus its variants.
+  0-1, 2-3, ...): the engine's pairwise exchange as ``Orchestrator._exchange``
+  does it (the 40-byte metadata ``Sendrecv``, then ``exchange.swap_and_merge_chunked``)
+  against a raw mpi4py ``Sendrecv`` of the same weight bytes, plus its variants.
 - ``signature``: count-sketch and Gaussian signature throughput against
   ``torch.sum`` over the same buffer, peak memory overhead, distance distortion.
 - ``clustering``: linkage + cut + partner law + partner draws for all ranks.
 - ``overhead``: real engine runs; the orchestration share of wall time, and with
   ``--profile`` where the signature rounds spend it.
+- ``inspect``: ``communities inspect`` (``inspection.main_inspect``) on a synthetic
+  run directory (``communities.synthetic.make_run``, 64 ranks and 50 rounds by default).
 """
 from __future__ import annotations
 
@@ -107,36 +110,6 @@ def _mpiexec() -> str:
 # =========================================================================== exchange
 
 
-def _pipelined_swap_and_merge(world, flat, recv, peer: int, a: float, chunk: int, tag: int = 2) -> float:
-    """Chunked Isend/Irecv with chunk k merged while chunk k+1 is in flight (measured, not used by the engine)."""
-    import torch
-
-    from . import merge
-
-    MPI = world.MPI
-    n = flat.numel()
-    fa, ra = flat.numpy(), recv.numpy()
-    bounds = [(lo, min(n, lo + chunk)) for lo in range(0, n, chunk)]
-
-    def post(k):
-        lo, hi = bounds[k]
-        return [world.comm.Irecv(ra[lo:hi], source=peer, tag=tag), world.comm.Isend(fa[lo:hi], dest=peer, tag=tag)]
-
-    total = 0.0
-    scratch = torch.empty(min(chunk, n), dtype=flat.dtype)
-    reqs = post(0)
-    for k, (lo, hi) in enumerate(bounds):
-        nxt = post(k + 1) if k + 1 < len(bounds) else []
-        MPI.Request.Waitall(reqs)  # chunk k received, and our chunk k sent: safe to overwrite it
-        f, r, s = flat[lo:hi], recv[lo:hi], scratch[: hi - lo]
-        torch.sub(r, f, out=s)
-        total += float(torch.dot(s, s))
-        merge.interpolate_(f, r, a)
-        reqs = nxt
-    world.bytes_sent += n * flat.element_size()
-    return math.sqrt(total)
-
-
 def bench_exchange(args) -> int:
     import numpy as np
     import torch
@@ -184,10 +157,11 @@ def bench_exchange(args) -> int:
     base = [torch.randn(100_003, generator=gen) for _ in range(2)]
     mine, theirs = base[world.rank % 2], base[1 - world.rank % 2]
     checks = {}
-    for label, fn in (("swap_and_merge", exchange.swap_and_merge),
-                      ("swap_and_merge_blocked", exchange.swap_and_merge_blocked)):
-        f, r = mine.clone(), torch.empty_like(mine)
-        d = fn(world, f, r, peer, 0.5)
+    small = exchange.ChunkBuffers(mine.numel(), mine.dtype, chunk=4096)  # many chunks and a short tail
+    for label, fn in (("swap_and_merge", lambda f: exchange.swap_and_merge(world, f, torch.empty_like(f), peer, 0.5)),
+                      ("swap_and_merge_chunked", lambda f: exchange.swap_and_merge_chunked(world, f, peer, 0.5, small))):
+        f = mine.clone()
+        d = fn(f)
         ref = mine.clone()
         merge.interpolate_(ref, theirs, 0.5)
         mean = (mine.double() + theirs.double()) / 2
@@ -206,24 +180,31 @@ def bench_exchange(args) -> int:
         flat = torch.randn(n, generator=g)
         recv = torch.empty_like(flat)
         send_np, recv_np = flat.numpy().copy(), np.empty(n, dtype=np.float32)
-        scratch = torch.empty(min(exchange.MERGE_BLOCK, n))
+        buffers = exchange.ChunkBuffers(n, flat.dtype)
         reps, warm = args.reps, args.warmup
-        chunk = max(1, int(args.pipeline_chunk_mb * MB) // 4)
         r = {"size_mb": size_mb, "bytes": nbytes}
         r["raw"] = timed(lambda: comm.Sendrecv(send_np, dest=peer, sendtag=7, recvbuf=recv_np, source=peer,
                                                recvtag=7), reps, warm)
-        r["engine"] = timed(lambda: exchange.swap_and_merge_blocked(world, flat, recv, peer, 0.5, scratch=scratch),
-                            reps, warm)
-        r["engine_nodist"] = timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5, distance=False),
-                                   reps, warm)
-        r["unfused"] = timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5), reps, warm)
-        r["pipelined"] = timed(lambda: _pipelined_swap_and_merge(world, flat, recv, peer, 0.5, chunk), reps, warm)
+        meta = np.array([1000.0, 0.5, float(n), 0.0, 0.0], dtype=np.float64)  # what _exchange swaps first
+
+        def engine():
+            """Orchestrator._exchange: the 40-byte metadata Sendrecv, then the chunked swap and merge."""
+            other = world.sendrecv_array(meta, peer, tag=1)
+            if int(other[2]) != n:
+                raise RuntimeError("bench exchange: the partner holds another buffer size")
+            exchange.swap_and_merge_chunked(world, flat, peer, 0.5, buffers)
+
+        r["engine"] = timed(engine, reps, warm)
+        r["meta"] = timed(lambda: world.sendrecv_array(meta, peer, tag=1), reps, warm)
+        r["engine_nodist"] = timed(lambda: exchange.swap_and_merge_chunked(world, flat, peer, 0.5, buffers,
+                                                                           distance=False), reps, warm)
+        r["whole"] = timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5), reps, warm)
         # the local pieces of the engine exchange, each rank alone (no communication)
         other = torch.randn(n, generator=g)
         r["local_dist_s"] = local(lambda: torch.dist(flat, other), reps, 1)
         r["local_lerp_s"] = local(lambda: flat.lerp_(other, 0.5), reps, 1)
         r["local_sum_s"] = local(lambda: flat.sum(), reps, 1)
-        for key in ("raw", "engine", "engine_nodist", "unfused", "pipelined"):
+        for key in ("raw", "engine", "engine_nodist", "whole"):
             r[key]["GBps"] = nbytes / r[key]["median_s"] / 1e9
             if key != "raw":
                 r[key]["ratio_vs_raw"] = r["raw"]["median_s"] / r[key]["median_s"]
@@ -234,9 +215,9 @@ def bench_exchange(args) -> int:
 
         rows.append([f"{size_mb:g}", cell("raw"), cell("engine"), f"{r['engine']['ratio_vs_raw']:.2f}",
                      cell("engine_nodist"), f"{r['engine_nodist']['ratio_vs_raw']:.2f}",
-                     cell("unfused"), f"{r['unfused']['ratio_vs_raw']:.2f}",
-                     cell("pipelined"), f"{r['pipelined']['ratio_vs_raw']:.2f}",
-                     f"{r['local_dist_s'] * 1e3:.2f}", f"{r['local_lerp_s'] * 1e3:.2f}"])
+                     cell("whole"), f"{r['whole']['ratio_vs_raw']:.2f}",
+                     f"{r['local_dist_s'] * 1e3:.2f}", f"{r['local_lerp_s'] * 1e3:.2f}",
+                     f"{r['meta']['median_s'] * 1e3:.3f}"])
 
     if lead:
         print(f"bench exchange: {world.size} ranks in pairs, {World.library_version()}; {machine}")
@@ -244,20 +225,22 @@ def bench_exchange(args) -> int:
               "slowest rank's time (a barrier before each); GB/s = bytes each rank sends / time "
               "(it receives as many).")
         print("The flat buffer IS the model: the engine exchange has no flatten/unflatten step. "
-              "engine = exchange.swap_and_merge_blocked = Sendrecv(flat), then distance and lerp_ fused "
-              "in 1 MiB blocks (no P-sized temporary).")
+              "engine = what Orchestrator._exchange does: a Sendrecv of 5 float64 metadata (40 bytes: samples, "
+              "loss, size, optimizer state, diverged), then exchange.swap_and_merge_chunked: a Sendrecv per 1 MiB "
+              "chunk into a chunk-sized buffer, then distance and lerp_ fused while the chunk is in cache.")
         print(f"check (a=0.5, both ranks end at the pair mean, equal to merge.interpolate_): "
               f"{'ok' if ok else 'FAILED'} {json.dumps(checks)}")
         print()
         print(_fmt_table(
             ["MB", "raw Sendrecv ms / GB/s", "engine ms / GB/s", "ratio", "engine dist=False", "ratio",
-             "unfused ms / GB/s", "ratio", f"pipelined({args.pipeline_chunk_mb:g}MB) ms / GB/s", "ratio",
-             "torch.dist ms", "lerp_ ms"], rows))
+             "whole-buffer ms / GB/s", "ratio",
+             "torch.dist ms", "lerp_ ms", "meta Sendrecv ms"], rows))
         print()
-        print("ratio = raw time / variant time (target >= 0.8 at 16 MB and above). unfused = "
-              "exchange.swap_and_merge (Sendrecv + torch.dist + lerp_ on the whole buffer); "
-              "pipelined = chunked Isend/Irecv merging chunk k while k+1 is in flight; the last two columns are "
-              "each rank alone, no communication.")
+        print("ratio = raw time / variant time (target >= 0.8 at 16 MB and above). engine dist=False = the "
+              "chunked exchange without the update-norm distance; whole-buffer = exchange.swap_and_merge "
+              "(one Sendrecv of the whole buffer, then torch.dist and lerp_; the path device tensors take); "
+              "neither with the metadata Sendrecv. torch.dist and lerp_ are each rank alone, no communication; "
+              "meta Sendrecv = the 40-byte metadata swap alone, included in engine.")
         _write_json(args.json, {"bench": "exchange", "world_size": world.size, "mpi": World.library_version(),
                                 "reps": args.reps, "warmup": args.warmup, "check_ok": ok, "checks": checks,
                                 "results": results})
@@ -527,7 +510,17 @@ def bench_clustering(args) -> int:
                         fast_t.append(time.perf_counter() - q0)
                     r["cut_reference_s"], r["cut_current_s"] = _median(ref_t), _median(fast_t)
                     r["cut_same_labels"] = bool(np.array_equal(ref, fast))
-                    ref_cell = (f"{r['cut_reference_s'] * 1e3:.1f} -> {r['cut_current_s'] * 1e3:.1f} "
+                    # the distances as first written: scipy pdist (what the Gram blocks replace)
+                    pd_t = []
+                    for _ in range(max(1, min(args.reps, 3))):
+                        q0 = time.perf_counter()
+                        ref_d = clustering._pdist(clustering._rows(S, cc.metric), cc.metric)
+                        pd_t.append(time.perf_counter() - q0)
+                    r["pairwise_pdist_s"] = _median(pd_t)
+                    r["pairwise_max_rel_diff"] = float(np.max(np.abs(d - ref_d) / np.maximum(ref_d, 1e-300)))
+                    ref_cell = (f"{r['pairwise_pdist_s'] * 1e3:.1f} -> {med['pairwise'] * 1e3:.1f} "
+                                f"(max rel. diff {r['pairwise_max_rel_diff']:.0e}); "
+                                f"{r['cut_reference_s'] * 1e3:.1f} -> {r['cut_current_s'] * 1e3:.1f} "
                                 f"({'same' if r['cut_same_labels'] else 'DIFFERENT'} labels)")
                 results.append(r)
                 rows.append([n, cut, law, com.count, *[f"{med[key] * 1e3:.1f}" for key in times],
@@ -538,14 +531,17 @@ def bench_clustering(args) -> int:
           f"maxclust k={args.k}; median of {args.reps} repetitions after a warm-up; {machine}")
     print()
     print(_fmt_table(["N", "cut", "law", "communities", "pairwise ms", "linkage ms", "cut ms", "find_communities ms",
-                      "law ms", "draws ms", "total ms", "auto cut: sklearn per k -> one pass ms"], rows,
+                      "law ms", "draws ms", "total ms",
+                      "first written -> now, ms: pairwise (pdist -> Gram); auto cut (sklearn per k -> one pass)"], rows,
                      align="lll" + "r" * 8 + "l"))
     print()
-    print("find_communities = pairwise (scipy pdist) + linkage (scipy) + the cut, each also timed alone; total = "
+    print("find_communities = pairwise (float64 Gram blocks, clustering._gram_distances) + linkage (scipy) + the cut, "
+          "each also timed alone; total = "
           "find_communities + law + draws; law = "
           "Strategy.law(t) (hierarchical: cophenetic heights); draws = Strategy.exchanges(t, all N ranks) "
           "(one partner draw per rank, as if every timer fired; in the engine about N/lambda ranks draw every "
-          "unit). Last column: the auto cut with sklearn's silhouette_score per k (as first written) against "
+          "unit). Last column: scipy pdist (as first written) against the Gram distances now, with their largest "
+          "relative difference; the auto cut with sklearn's silhouette_score per k (as first written) against "
           "clustering.cut_auto now, on the same tree. Target: total < 1 s at N=4096.")
     _write_json(args.json, {"bench": "clustering", "results": results})
     return 0
@@ -703,6 +699,59 @@ def bench_overhead(args) -> int:
     return 0
 
 
+# =========================================================================== inspect
+
+
+def bench_inspect(args) -> int:
+    """Time ``inspection.main_inspect([run])`` on a synthetic run: wall and CPU seconds, dendrograms drawn."""
+    import contextlib
+    import io
+    import shutil
+
+    from . import synthetic
+
+    machine = _machine()
+    keep = args.output_root is not None
+    root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-bench-inspect-"))
+    run = root / f"synthetic_{args.ranks}x{args.rounds}"
+    t0 = time.perf_counter()
+    synthetic.make_run(run, n_ranks=args.ranks, n_rounds=args.rounds, groups=args.groups or None, dim=args.dim,
+                       seed=args.seed)
+    make_s = time.perf_counter() - t0
+    from .inspection import main_inspect
+
+    results, rows = [], []
+    for rep in range(args.repeat):
+        shutil.rmtree(run / "report", ignore_errors=True)
+        argv = [str(run)] + (["--no-svg"] if args.no_svg else [])
+        out = io.StringIO()
+        w0, c0 = time.perf_counter(), time.process_time()
+        with contextlib.redirect_stdout(out):
+            rc = main_inspect(argv)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        if rc != 0:
+            print(f"bench inspect: main_inspect({argv}) exited {rc}:\n{out.getvalue()[-2000:]}", file=sys.stderr)
+            return 1
+        drawn = len(list((run / "report").glob("dendrogram_round_*.png")))
+        results.append({"repeat": rep, "wall_s": wall, "cpu_s": cpu, "dendrograms": drawn})
+        rows.append([rep + 1, f"{wall:.2f}", f"{cpu:.2f}", drawn])
+    print(f"bench inspect: communities.inspection.main_inspect([run{' --no-svg' if args.no_svg else ''}]) on a "
+          f"synthetic run of {args.ranks} ranks x {args.rounds} rounds (groups={args.groups}, d={args.dim}, "
+          f"seed={args.seed}; made in {make_s:.2f} s by communities.synthetic.make_run); {machine}")
+    print()
+    print(_fmt_table(["run", "wall s", "CPU s", "dendrograms"], rows))
+    print()
+    print("wall = perf_counter, CPU = process_time of this process around main_inspect (the first run includes "
+          "importing matplotlib); dendrograms = dendrogram_round_*.png files in the report. No target is asserted.")
+    if keep:
+        print(f"run kept at {run}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    _write_json(args.json, {"bench": "inspect", "ranks": args.ranks, "rounds": args.rounds, "groups": args.groups,
+                            "dim": args.dim, "make_run_s": make_s, "results": results})
+    return 0
+
+
 # =========================================================================== CLI
 
 
@@ -715,7 +764,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--pipeline-chunk-mb", type=float, default=4.0, help="chunk of the pipelined variant")
     p.add_argument("--json", metavar="PATH")
 
     p = sub.add_parser("signature", help="count-sketch / Gaussian throughput, memory, distortion")
@@ -766,6 +814,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-depth", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
 
+    p = sub.add_parser("inspect", help="time communities inspect on a synthetic run directory")
+    p.add_argument("--ranks", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--groups", type=int, default=4, help="planted groups (0: none)")
+    p.add_argument("--dim", type=int, default=32, help="signature dimension of the synthetic rounds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="timed inspections of the same run")
+    p.add_argument("--no-svg", action="store_true", help="pass --no-svg to inspect (PNG figures only)")
+    p.add_argument("--output-root", default=None, help="keep the run and its report here (default: a temporary "
+                                                      "directory, removed)")
+    p.add_argument("--json", metavar="PATH")
+
     p = sub.add_parser("_profile-rank", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     p.add_argument("argv", nargs=argparse.REMAINDER)
@@ -779,7 +839,8 @@ def main_bench(argv: Optional[List[str]] = None) -> int:
     if args.what == "_profile-rank" and args.argv and args.argv[0] == "--":
         args.argv = args.argv[1:]
     handler = {"exchange": bench_exchange, "signature": bench_signature, "_signature-one": _signature_one,
-               "clustering": bench_clustering, "overhead": bench_overhead, "_profile-rank": _profile_rank}[args.what]
+               "clustering": bench_clustering, "overhead": bench_overhead, "inspect": bench_inspect,
+               "_profile-rank": _profile_rank}[args.what]
     return handler(args)
 
 

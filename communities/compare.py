@@ -119,15 +119,13 @@ def _resolve_base(base: str, spec_path: Optional[Path]) -> Path:
 
 
 def load_spec(path: Union[str, Path]) -> Spec:
-    import yaml
+    from .config import ConfigError, read_yaml
 
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SpecError(f"cannot read spec {str(path)!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+        raw = read_yaml(path, what="spec")
+    except ConfigError as exc:
+        raise SpecError(str(exc)) from None
     return spec_from_dict(raw, path)
 
 
@@ -332,7 +330,12 @@ def _read_jsonl(path: Path) -> List[dict]:
 
 
 def run_curve(path: Path) -> dict:
-    """One complete run's figures and its consensus curve (t, accuracy, bytes per rank, estimated wall)."""
+    """One complete run's figures and its consensus curve: t, accuracy, bytes per rank, wall seconds.
+
+    ``wall`` is measured (the slowest rank's metrics.jsonl ``wall`` at that unit)
+    when the run's rows carry the field, and ``wall_measured`` says so; a run
+    written before the field existed gets the estimate ``wall_time * t / units``.
+    """
     summary = json.loads((path / "summary.json").read_text())
     units = int(summary["units"])
     wall = float(summary["wall_time"])
@@ -340,30 +343,61 @@ def run_curve(path: Path) -> dict:
     points = [(int(r["t"]), float(r["test_acc"])) for r in evals if r.get("test_acc") is not None]
     if not points or points[-1][0] < units:
         points.append((units, float(summary["consensus_test_acc"])))
-    bytes_by_t = _bytes_after_unit(_read_jsonl(path / "metrics.jsonl"), units, float(summary["bytes_sent_mean"]))
+    metrics = _read_jsonl(path / "metrics.jsonl")
+    bytes_by_t = _bytes_after_unit(metrics, units, float(summary["bytes_sent_mean"]),
+                                   trains_with_traffic=_sync_gradients(summary.get("strategy")))
+    wall_by_t = _wall_at_unit(metrics)
     ts = np.array([p[0] for p in points], dtype=np.float64)
+    if wall_by_t is not None:
+        walls, measured = np.array([wall_by_t(t) for t in ts]), True
+    else:
+        walls, measured = wall * ts / max(units, 1), False
     return {
         "summary": summary, "units": units, "wall_time": wall,
         "t": ts, "acc": np.array([p[1] for p in points]),
         "bytes": np.array([bytes_by_t(t) for t in ts]),
-        "wall_est": wall * ts / max(units, 1),
+        "wall": walls, "wall_measured": measured,
     }
 
 
-def _bytes_after_unit(metrics: List[dict], units: int, final_mean: float):
-    """bytes_per_rank(t): mean over ranks of the bytes sent by the end of unit t.
+def _sync_gradients(strategy: Optional[str]) -> bool:
+    """Whether the engine strategy communicates inside a unit's training (allreduce: a gradient Allreduce per step)."""
+    from .strategies import STRATEGIES
 
-    metrics.jsonl records a rank's cumulative ``bytes_sent`` once it has trained unit
-    t, before that unit's exchanges; so the bytes by the end of unit t are the row
-    of unit t+1, and the end of the last unit is summary.json's final mean. Between
-    recorded units the figure is interpolated linearly.
-    """
-    per_t: Dict[int, List[float]] = {}
+    cls = STRATEGIES.get(str(strategy)) if strategy is not None else None
+    return bool(cls is not None and cls.sync_gradients)
+
+
+def _per_unit(metrics: List[dict], key: str) -> Dict[int, List[float]]:
+    out: Dict[int, List[float]] = {}
     for m in metrics:
-        if m.get("bytes_sent") is not None and m.get("rank", 0) >= 0:
-            per_t.setdefault(int(m["t"]), []).append(float(m["bytes_sent"]))
+        if m.get(key) is not None and m.get("rank", 0) >= 0:
+            out.setdefault(int(m["t"]), []).append(float(m[key]))
+    return out
+
+
+def _bytes_after_unit(metrics: List[dict], units: int, final_mean: float, trains_with_traffic: bool = False):
+    """bytes_per_rank(t): mean over ranks of the bytes sent up to and including unit t.
+
+    ``Orchestrator._train`` appends a rank's metrics row for unit t right after
+    training unit t, before that unit's exchanges, global average and signature
+    round. So row t holds everything sent in units < t plus what unit t's
+    training itself sent. For every strategy but ``allreduce`` training sends
+    nothing, and the bytes by the end of unit t are row t+1. ``allreduce``
+    (``trains_with_traffic``) sends its gradient Allreduces inside training, the
+    same bytes c every unit (a fixed number of steps of one buffer); row t+1
+    holds unit t+1's, so the end of unit t is row t+1 - c, with c the smallest
+    increase between consecutive rows (a unit without a signature round). The
+    end of the last unit is summary.json's final mean; between recorded units
+    the figure is interpolated linearly.
+    """
+    per_t = {t: float(np.mean(v)) for t, v in _per_unit(metrics, "bytes_sent").items()}
     xs = sorted(per_t)
-    ends = [(t - 1, float(np.mean(per_t[t]))) for t in xs if t >= 1]  # row t+1 -> end of unit t
+    c = 0.0
+    if trains_with_traffic:
+        steps = [per_t[b] - per_t[a] for a, b in zip(xs, xs[1:]) if b == a + 1]
+        c = max(0.0, min(steps)) if steps else (per_t[xs[0]] / xs[0] if xs and xs[0] >= 1 else 0.0)
+    ends = [(t - 1, per_t[t] - c) for t in xs if t >= 1]  # row t+1, less unit t+1's own training -> end of unit t
     ends.append((units, final_mean))
     ends = sorted(dict(ends).items())
     ex = np.array([e[0] for e in ends], dtype=np.float64)
@@ -375,14 +409,35 @@ def _bytes_after_unit(metrics: List[dict], units: int, final_mean: float):
     return at
 
 
+def _wall_at_unit(metrics: List[dict]):
+    """wall(t): the largest metrics.jsonl ``wall`` over the ranks at unit t, or None when no row has the field.
+
+    ``wall`` is a rank's seconds since its run started, taken when it appends
+    the row (right after training unit t); the slowest rank's is when the
+    whole world had trained unit t. Units without rows are interpolated, from
+    0 s at t = 0.
+    """
+    per_t = _per_unit(metrics, "wall")
+    if not per_t:
+        return None
+    known = {0: 0.0, **{t: max(v) for t, v in per_t.items()}}
+    ex = np.array(sorted(known), dtype=np.float64)
+    ey = np.array([known[int(t)] for t in ex], dtype=np.float64)
+
+    def at(t: float) -> float:
+        return float(np.interp(t, ex, ey))
+
+    return at
+
+
 def time_to_target(curve: dict, target: float) -> Optional[dict]:
-    """The first consensus evaluation at or above ``target``: its t, the bytes by then, the estimated wall."""
+    """The first consensus evaluation at or above ``target``: its t, the bytes by then, the wall seconds by then."""
     hit = np.flatnonzero(curve["acc"] >= target)
     if hit.size == 0:
         return None
     k = int(hit[0])
-    return {"t": float(curve["t"][k]), "bytes": float(curve["bytes"][k]), "wall_est": float(curve["wall_est"][k]),
-            "acc": float(curve["acc"][k])}
+    return {"t": float(curve["t"][k]), "bytes": float(curve["bytes"][k]), "wall": float(curve["wall"][k]),
+            "wall_measured": bool(curve.get("wall_measured", False)), "acc": float(curve["acc"][k])}
 
 
 def _stats(values: Sequence[float]) -> dict:
@@ -433,7 +488,8 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             "retired_fraction": _stats([r["retired_fraction"] for r in mine if r["retired_fraction"] is not None]),
             "target": {"accuracy": spec.target_accuracy, "reached": len(hits), "of": len(mine),
                        "t": _stats([h["t"] for h in hits]), "bytes": _stats([h["bytes"] for h in hits]),
-                       "wall_est": _stats([h["wall_est"] for h in hits])},
+                       "wall": _stats([h["wall"] for h in hits]),
+                       "wall_measured": sum(1 for h in hits if h["wall_measured"])},
         }
     return {"name": spec.name, "base": str(spec.base), "world_size": spec.world_size, "seeds": spec.seeds,
             "target_accuracy": spec.target_accuracy, "overrides": spec.overrides, "strategies": arms, "runs": runs,
@@ -463,7 +519,7 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         + (f", common overrides `{' '.join(agg['overrides'])}`" if agg["overrides"] else "") + ".",
         "",
         "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s "
-        f"| reached {target:g} | t to target (units) | MB to target | est. wall s to target |"
+        f"| reached {target:g} | t to target (units) | MB to target | wall s to target |"
         + (" data MB / rank | retired % |" if moving else ""),
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moving else ""),
     ]
@@ -473,7 +529,7 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
             f"| {label} | {a['runs']}/{a['planned']} | {_pm(a['consensus_test_acc'])} | {_pm(a['best_rank_acc'])} "
             f"| {_pm(a['bytes_sent_per_rank'], '{:.2f}', 1e-6)} | {_pm(a['wall_time'], '{:.1f}')} "
             f"| {tg['reached']}/{tg['of']} | {_pm(tg['t'], '{:.0f}')} | {_pm(tg['bytes'], '{:.2f}', 1e-6)} "
-            f"| {_pm(tg['wall_est'], '{:.1f}')} |"
+            f"| {_pm(tg['wall'], '{:.1f}')}{'' if tg['wall_measured'] == tg['reached'] else ' (est.)'} |"
             + (f" {_pm(a['data_bytes_per_rank'], '{:.3f}', 1e-6)} | {_pm(a['retired_fraction'], '{:.1f}', 100)} |"
                if moving else ""))
     lines += [
@@ -490,9 +546,12 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "- *wall s*: the slowest rank's training loop (summary.json `wall_time`), without process start-up.",
         f"- *to target*: the first consensus evaluation (consensus.jsonl, every `output.consensus_every` or "
         f"`train.eval_every` units, plus the final model) with test accuracy >= {target:g}; averaged over the "
-        "seeds that reached it. *MB to target* is the mean over ranks of the cumulative `bytes_sent` by the end "
-        "of that unit (metrics.jsonl, interpolated between units). metrics.jsonl has no wall clock, so "
-        "*est. wall s to target* is an estimate: `wall_time * t / units`, which assumes units of equal cost.",
+        "seeds that reached it. *MB to target* is the mean over ranks of the bytes sent up to and including "
+        "that unit (metrics.jsonl `bytes_sent`, whose row t is written after unit t's training and before its "
+        "exchanges: row t+1 for every strategy, less unit t+1's own gradient Allreduces for allreduce; "
+        "interpolated between units). *wall s to target* is the slowest rank's metrics.jsonl `wall` at that "
+        "unit (seconds since its run started, taken right after training it); runs written before that field "
+        "existed get an estimate, `wall_time * t / units` (marked est.), which assumes units of equal cost.",
         "",
         "![consensus accuracy vs bytes](acc_vs_bytes.png)",
         "![consensus accuracy vs wall time](acc_vs_wall.png)",
@@ -525,9 +584,11 @@ def write_plots(agg: dict, out_dir: Path) -> List[Path]:
         print("communities compare: matplotlib is not installed; no plots (pip install matplotlib)", file=sys.stderr)
         return []
     written = []
+    estimated = [c for curves in agg["_curves"].values() for c in curves if not c.get("wall_measured")]
+    wall_label = ("wall time, s (slowest rank's metrics.jsonl wall)" if not estimated else
+                  "wall time, s (estimated as wall_time * t / units for runs without metrics.jsonl wall)")
     for key, xlabel, fname, scale in (("bytes", "MB sent per rank", "acc_vs_bytes.png", 1e-6),
-                                       ("wall_est", "wall time, s (estimated: wall_time * t / units)",
-                                        "acc_vs_wall.png", 1.0)):
+                                       ("wall", wall_label, "acc_vs_wall.png", 1.0)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for k, (label, curves) in enumerate(agg["_curves"].items()):
             color = f"C{k % 10}"
