@@ -9,14 +9,15 @@ runs, and turn damaged files into one-line messages with exit status 2.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import List
 
 import numpy as np
 import pytest
@@ -161,16 +162,82 @@ def test_stable_labels_ties_and_invariance():
     base = stable_labels(seq)
     renamed = [(rng.permutation(10)[a] + 100) for a in seq]
     np.testing.assert_array_equal(stable_labels(renamed), base)
-    # Matching keeps the id of the bigger overlap in every round.
-    for r in range(1, len(seq)):
-        for cid in np.unique(base[r]):
-            if cid in base[r - 1]:
-                here = base[r] == cid
-                prev_ids, counts = np.unique(base[r - 1][here], return_counts=True)
-                assert counts[list(prev_ids).index(cid)] > 0
+    # The ids kept from one round to the next are a matching of maximum total overlap.
+    _assert_max_overlap(base)
     with pytest.raises(ValueError):
         stable_labels([[0, 1], [0, 1, 2]])
     assert stable_labels([]).shape == (0, 0)
+
+
+def _overlap(prev: np.ndarray, cur: np.ndarray, p: int, c: int) -> int:
+    return int(np.sum((prev == p) & (cur == c)))
+
+
+def _assert_max_overlap(stable: np.ndarray) -> None:
+    """Every round's kept ids (a current community carrying an id of the previous round) overlap, in
+    total, as much as the best one-to-one matching of old ids to new communities, found by brute force."""
+    for r in range(1, len(stable)):
+        prev, cur = stable[r - 1], stable[r]
+        old, new = list(np.unique(prev)), list(np.unique(cur))
+        kept = sum(_overlap(prev, cur, c, c) for c in new if c in old)
+        best = 0
+        for k in range(min(len(old), len(new)) + 1):
+            for olds in itertools.permutations(old, k):
+                for news in itertools.combinations(new, k):
+                    best = max(best, sum(_overlap(prev, cur, p, c) for p, c in zip(olds, news)))
+        assert kept == best, (r, kept, best)
+
+
+def _split_merge_sequence(rng, n: int, rounds: int) -> List[np.ndarray]:
+    """Raw labels of a random history where each round splits one community or merges two, with the
+    raw ids shuffled every round (so only the matching can keep track)."""
+    part = np.zeros(n, dtype=np.int64)
+    out = [part.copy()]
+    for _ in range(rounds):
+        ids = np.unique(part)
+        if ids.size > 1 and (rng.random() < 0.5 or ids.size >= n // 2):
+            a, b = rng.choice(ids, 2, replace=False)
+            part[part == b] = a
+        else:
+            sizes = np.array([np.sum(part == i) for i in ids])
+            if sizes.max() < 2:
+                continue
+            a = ids[int(np.argmax(sizes))] if rng.random() < 0.5 else rng.choice(ids[sizes >= 2])
+            members = np.flatnonzero(part == a)
+            cut = rng.integers(1, members.size)
+            part[rng.permutation(members)[:cut]] = part.max() + 1
+        out.append(rng.permutation(100)[part])
+    return out
+
+
+def test_stable_labels_keep_the_id_of_the_biggest_overlap():
+    """A merge keeps the id of its largest part, a split gives the id to its largest piece (ties: the older
+    id, the piece holding the lowest rank), and overall the kept ids maximise the total overlap."""
+    rng = np.random.default_rng(7)
+    checked = {"merge": 0, "split": 0}
+    for trial in range(30):
+        seq = _split_merge_sequence(rng, n=int(rng.integers(6, 16)), rounds=8)
+        S = stable_labels(seq)
+        _assert_max_overlap(S)
+        for r in range(1, len(S)):
+            prev, cur = S[r - 1], S[r]
+            for c in np.unique(cur):
+                parts = np.unique(prev[cur == c])
+                if parts.size > 1 and all(np.all(cur[prev == p] == c) for p in parts):  # a pure merge
+                    sizes = [np.sum(prev == p) for p in parts]
+                    biggest = parts[int(np.argmax(sizes))]  # argmax: first, i.e. the smallest (older) id
+                    assert c == biggest, (trial, r, dict(zip(parts.tolist(), sizes)), c)
+                    checked["merge"] += 1
+            for p in np.unique(prev):
+                pieces = np.unique(cur[prev == p])
+                if pieces.size > 1 and all(np.all(prev[cur == c] == p) for c in pieces):  # a pure split
+                    sizes = np.array([np.sum(cur == c) for c in pieces])
+                    big = pieces[sizes == sizes.max()]
+                    # among equally big pieces, the one holding the lowest rank keeps the id
+                    keeper = min(big, key=lambda c: int(np.flatnonzero(cur == c)[0]))
+                    assert keeper == p and all(c != p for c in pieces if c != keeper), (trial, r, p, pieces)
+                    checked["split"] += 1
+    assert checked["merge"] > 20 and checked["split"] > 20, checked
 
 
 # --------------------------------------------------------------------------- numbers vs scipy / sklearn
@@ -251,7 +318,9 @@ def test_partial_run_is_inspectable_up_to_its_last_complete_round(tmp_path, caps
     assert json.loads((run / "meta.json").read_text())["status"] == "running"
     assert list((run / "rounds").glob(".round_*"))  # the half-built hidden round is there
     assert main_inspect([str(run)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert ".round_" not in captured.err and "warning" not in captured.err  # a round being built is no damage
     assert "status running" in out and "partial run" in out
     assert "read up to round 4, t=25" in out
     assert "rounds: 5 " in out
@@ -262,6 +331,50 @@ def test_partial_run_is_inspectable_up_to_its_last_complete_round(tmp_path, caps
     assert not (rep / "dendrogram_round_0005.png").exists()
     view = load_view(run)
     assert 999 not in view.metric_t  # the torn line was dropped
+
+
+@pytest.mark.parametrize("damage", ['{"t": 25}', "[1, 2]", "{oops"])
+def test_partial_run_with_a_damaged_last_round_is_read_up_to_the_round_before(tmp_path, capsys, damage):
+    """Issue 3: a run that did not finish stays inspectable; its damaged last round is the crash's tail."""
+    run = make_run(tmp_path / "crashed", n_ranks=8, n_rounds=5, groups=4, partial=True, seed=2)
+    bad = run / "rounds" / "round_0004" / "round.json"
+    bad.write_text(damage)
+    assert main_inspect([str(run), "--no-svg"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    warning = [line for line in captured.err.splitlines() if "round_0004" in line]
+    assert len(warning) == 1 and str(bad) in warning[0] and warning[0].startswith("warning:"), captured.err
+    assert "read up to round 3, t=20" in captured.out and "rounds: 4 " in captured.out
+    rep = run / "report"
+    assert _nonempty(rep / "dendrogram_round_0003.png") and not (rep / "dendrogram_round_0004.png").exists()
+    assert str(bad) in (rep / "index.html").read_text()
+    # Damage before the last round is damage, partial run or not.
+    (run / "rounds" / "round_0002" / "round.json").write_text(damage)
+    assert main_inspect([str(run), "--no-svg"]) == 2
+    err = _one_line_error(capsys)
+    assert "round_0002/round.json" in err
+
+
+@pytest.mark.parametrize("missing", ["labels.npy", "round.json", "Z.npy"])
+def test_round_directory_with_a_missing_file_is_named_and_the_others_are_read(small_run, tmp_path, capsys, missing):
+    """Rounds are renamed into place whole, so a missing file is damage: a warning names it, the rest is read."""
+    run = _copy(small_run, tmp_path)
+    gone = run / "rounds" / "round_0002" / missing
+    gone.unlink()
+    out = tmp_path / "rep"
+    assert main_inspect([str(run), "--out", str(out), "--no-svg"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    lines = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(lines) == 1 and str(gone) in lines[0] and "missing" in lines[0], captured.err
+    assert "rounds: 5 " in captured.out
+    with open(out / "rounds.csv") as fh:
+        assert [int(r["round"]) for r in csv.DictReader(fh)] == [0, 1, 3, 4, 5]
+    assert sorted(p.name for p in out.glob("dendrogram_round_*.png")) == [
+        f"dendrogram_round_{r:04d}.png" for r in (0, 1, 3, 4, 5)]
+    assert str(gone) in (out / "index.html").read_text()
+    view = load_view(run)
+    assert list(view.round_idx) == [0, 1, 3, 4, 5] and any(str(gone) in n for n in view.notes)
 
 
 def _one_line_error(capsys) -> str:
@@ -287,6 +400,11 @@ DAMAGE = {
     "labels.npy wrong length": ("rounds/round_0000/labels.npy", lambda p: _write_npy(p, np.zeros(5, np.int64))),
     "round.json garbage": ("rounds/round_0003/round.json", lambda p: p.write_text("{oops")),
     "round.json no t": ("rounds/round_0003/round.json", lambda p: p.write_text('{"round": 3}')),
+    "round.json no round": ("rounds/round_0003/round.json", lambda p: p.write_text('{"t": 5}')),
+    "round.json a list": ("rounds/round_0003/round.json", lambda p: p.write_text("[1, 2]")),
+    "round.json t a string": ("rounds/round_0003/round.json", lambda p: p.write_text('{"round": 3, "t": "x"}')),
+    # a complete run's last round is no crash tail: damage there is an error too
+    "round.json last round a list": ("rounds/round_0005/round.json", lambda p: p.write_text("[1, 2]")),
     "meta.json garbage": ("meta.json", lambda p: p.write_text("{not json")),
     "meta.json no world_size": ("meta.json", lambda p: p.write_text('{"status": "complete"}')),
     "meta.json a list": ("meta.json", lambda p: p.write_text("[1, 2]")),
@@ -349,9 +467,14 @@ def test_world_of_one(tmp_path, capsys):
 
 def test_select_rounds():
     avail = list(range(50))
-    picked, note = select_rounds(avail)
+    picked, note = select_rounds(avail)  # issue 3: a dendrogram per signature round
+    assert picked == avail and "all 50 rounds" in note and "--every" in note
+    picked, note = select_rounds(avail, cap=12)
     assert picked[0] == 0 and picked[-1] == 49 and len(picked) == 14
-    assert "14 of 50" in note and "evenly spaced" in note
+    assert "14 of 50" in note and "evenly spaced" in note and "rounds 0, 4, 8," in note
+    picked, note = select_rounds(avail, every=10, last=True)
+    assert note.endswith("rounds 0, 10, 20, 30, 40, 49")
+    assert select_rounds(avail, rounds=[3, 4, 5, 9])[1].endswith("rounds 3-5, 9")
     assert select_rounds(list(range(10)))[0] == list(range(10))
     assert select_rounds(avail, every=10)[0] == [0, 10, 20, 30, 40]
     assert select_rounds(avail, last=True)[0] == [49]
@@ -435,17 +558,66 @@ def test_compare_runs_with_the_same_name_get_distinct_labels(tmp_path):
     assert _nonempty(out / "curves.png") and _nonempty(out / "run2_dendrogram_round_0002.png")
 
 
-# --------------------------------------------------------------------------- performance
+# --------------------------------------------------------------------------- the issue's size, and real runs
 
 
-def test_inspect_64_ranks_50_rounds_under_30_seconds(tmp_path, capsys):
-    """The budget is 30 s on a 2-core machine. inspect is single-threaded, so its CPU time is what it
-    costs on an idle machine; wall time only gets a loose bound, since other jobs may share the cores."""
+def test_inspect_64_ranks_50_rounds_draws_a_dendrogram_per_round(tmp_path, capsys):
+    """The size of issue 3's time budget (64 ranks, 50 rounds). Its speed is measured by a benchmark,
+    not asserted here: this checks what the default report holds at that size."""
     run = make_run(tmp_path / "big", n_ranks=64, n_rounds=50, groups=4, seed=4)
-    wall, cpu = time.perf_counter(), time.process_time()
-    assert main_inspect([str(run)]) == 0
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    assert "14 of 50 rounds" in capsys.readouterr().out
-    assert len(list((run / "report").glob("dendrogram_round_*.png"))) == 14
-    assert cpu < 30, f"inspect used {cpu:.1f} s CPU ({wall:.1f} s wall)"
-    assert wall < 90, f"inspect took {wall:.1f} s wall ({cpu:.1f} s CPU)"
+    assert main_inspect([str(run), "--no-svg"]) == 0
+    assert "dendrograms for all 50 rounds" in capsys.readouterr().out
+    rep = run / "report"
+    assert _nonempty(rep / "index.html")
+    names = sorted(p.name for p in rep.glob("dendrogram_round_*.png"))
+    assert names == [f"dendrogram_round_{r:04d}.png" for r in range(50)]
+    page = (rep / "index.html").read_text()
+    assert all(f'src="{n}"' in page for n in names)
+
+
+def test_make_run_needs_no_test_helpers(tmp_path):
+    """make_run may become the input of ``communities bench inspect``: it must not import pytest or conftest."""
+    code = (
+        "import sys\n"
+        "for name in ('pytest', '_pytest', 'conftest', 'tests', 'tests.conftest'):\n"
+        "    sys.modules[name] = None  # importing any of them now raises ImportError\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from synthetic_run import make_run\n"
+        f"make_run({str(tmp_path / 'r')!r}, n_ranks=4, n_rounds=2, groups=2)\n"
+        "print('OK')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+    assert (tmp_path / "r" / "summary.json").is_file()
+
+
+def test_inspect_a_run_of_the_real_engine(tmp_path, tiny_config, capsys):
+    """Not synthetic: 4 ranks of ``communities run`` for 15 units (3 signature rounds), with example
+    tracking on so summary.json has its nested ``examples`` table; every figure must exist and be linked."""
+    from .conftest import run_engine
+
+    run_engine(4, tiny_config, tmp_path, "train.budget=15", "examples.track=true")
+    run = tmp_path / "tiny"
+    rounds = sorted(p.name for p in (run / "rounds").iterdir() if p.name.startswith("round_"))
+    assert len(rounds) >= 2, rounds
+    out = tmp_path / "report"
+    assert main_inspect([str(run), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "warning" not in captured.err, captured.err  # the engine's own files are consistent
+    assert f"rounds: {len(rounds)} " in captured.out and "status complete" in captured.out
+    stems = ["curves", "timeline", "merge_matrix"] + [f"dendrogram_{r}" for r in rounds]
+    page = (out / "index.html").read_text()
+    refs = set(re.findall(r'(?:src|href)="([^"]+)"', page))
+    for stem in stems:
+        for ext in ("png", "svg"):  # 4 ranks: every figure is small enough for an SVG copy
+            name = f"{stem}.{ext}"
+            assert _nonempty(out / name), name
+            assert name in refs, name
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _nonempty(out / "rounds.csv") and "rounds.csv" in refs
+    for s in refs:
+        assert (out / s).is_file(), s
+    summary = json.loads((run / "summary.json").read_text())
+    assert "examples" in summary and "data_bytes_mean" in page and "globally_hard" in page
