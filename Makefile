@@ -28,7 +28,7 @@ run: install
 	MPLBACKEND=Agg $(BIN)/communities inspect results/$$($(BIN)/communities validate $(CONFIG) | sed -n 's/^name: //p')
 
 test: install
-	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -rfEs --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -297,11 +297,17 @@ def _signature_one(args) -> int:
             gp = torch.Generator().manual_seed(100 + p)
             if kind == "dense":
                 diff = torch.randn(P, generator=gp)
-            else:  # a contiguous block of 1% of the parameters (one layer drifting)
+            else:  # a contiguous block of 1% of the parameters (one layer drifting), iid or a rank-2 update
                 L = max(1, P // 100)
                 lo = int(torch.randint(0, P - L + 1, (1,), generator=gp))
                 diff = torch.zeros(P)
-                diff[lo: lo + L] = torch.randn(L, generator=gp)
+                if kind == "block":
+                    diff[lo: lo + L] = torch.randn(L, generator=gp)
+                else:
+                    rows = max(1, min(1024, L // 4))
+                    cols = L // rows
+                    u, v = torch.randn(rows, 2, generator=gp), torch.randn(2, cols, generator=gp)
+                    diff[lo: lo + rows * cols] = (u @ v).reshape(-1)
             true = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
             est = float(np.linalg.norm(sketch(diff).numpy()))
             errs.append(abs(est / true - 1.0))
@@ -380,7 +386,8 @@ def bench_signature(args) -> int:
           "writing 5 to /proc/self/clear_refs; a fresh process per size, its code paths paged in by a small sketch "
           "first, so the figure is memory the sketch itself allocates "
           "(target <= 1x model size). rel.err = |‖S(x-y)‖/‖x-y‖ - 1| over "
-          f"{args.n_pairs} pairs: dense = Gaussian x-y; block = x-y on one contiguous 1% of the parameters "
+          f"{args.n_pairs} pairs: dense = Gaussian x-y; block = x-y on one contiguous 1% of the parameters; "
+          f"lowrank = a rank-2 update (u v^T, up to 1024 rows) on such a block, the shape of a layer's drift "
           f"(JL scale for d={args.dim}: about {1 / math.sqrt(2 * args.dim):.3f}).")
     for kind, P, pred in skipped:
         print(f"skipped {kind} at {_human(P)} params: predicted {pred:.0f} s per call from the smallest size "
@@ -776,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gaussian-budget", type=float, default=120.0,
                    help="skip Gaussian sizes predicted to take longer than this many seconds in all")
     p.add_argument("--n-pairs", type=int, default=3)
-    p.add_argument("--pairs", nargs="+", default=["dense", "block"], choices=["dense", "block"])
+    p.add_argument("--pairs", nargs="+", default=["dense", "block", "lowrank"], choices=["dense", "block", "lowrank"])
     p.add_argument("--json", metavar="PATH")
 
     p = sub.add_parser("_signature-one", help=argparse.SUPPRESS)

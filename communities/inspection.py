@@ -199,8 +199,8 @@ def select_rounds(
     """Which rounds get a dendrogram, and a sentence saying which were drawn.
 
     ``rounds`` (round numbers), ``every`` (every K-th saved round, from the first)
-    and ``last`` are combined as a union. Without any of them: every round (issue 3,
-    "a dendrogram per signature round"), or, when ``cap`` is given and there are
+    and ``last`` are combined as a union. Without any of them: every round (so that
+    every signature round can be read), or, when ``cap`` is given and there are
     more than ``cap + 2`` rounds, the first, the last and ``cap`` evenly spaced
     between (the comparison report uses ``cap=0``: first and last). Raises
     ValueError for a requested round that was not saved.

@@ -1,7 +1,6 @@
 """Data that moves, wired into the engine: confidence tracking, retirement, hard-example passing,
 the least-recent partner policy, and functional (logits, CKA) signatures."""
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +113,9 @@ def test_passed_examples_arrive_intact(mode):
 
 def test_engine_moves_data_conserves_it_and_logs_it(tmp_path, tiny_config):
     n = 4
-    run_engine(n, tiny_config, tmp_path, *MOVING, "signature.kind=cka")
+    # comm.check_hashes (on by default) allgathers a digest of each round's communities and of the 1 - CKA
+    # distances they were cut from: had any rank derived another CKA matrix, the run would stop with an error
+    run_engine(n, tiny_config, tmp_path, *MOVING, "signature.kind=cka", "comm.check_hashes=true")
     run = tmp_path / "tiny"
     s = json.loads((run / "summary.json").read_text())
     part = json.loads((run / "partition.json").read_text())
@@ -181,11 +182,9 @@ def test_swap_with_least_recent_policy_conserves_the_mean(tmp_path, tiny_config)
 
 
 def test_bad_probe_input_is_refused_before_training(tmp_path, tiny_config):
-    t0 = time.monotonic()
     res = run_engine(2, tiny_config, tmp_path, "signature.kind=cka", "signature.layer=nope", check=False)
     assert res.returncode == 2 and "signature.layer='nope'" in res.stderr and "Traceback" not in res.stderr
     res = run_engine(2, tiny_config, tmp_path, "signature.kind=logits", "signature.probe_size=100000", check=False)
     assert res.returncode == 2 and "signature.probe_size=100000" in res.stderr
     assert not (tmp_path / "tiny" / "metrics.jsonl").exists() or \
         (tmp_path / "tiny" / "metrics.jsonl").read_text() == ""
-    assert time.monotonic() - t0 < 120

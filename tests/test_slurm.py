@@ -148,9 +148,15 @@ def read_meta(run: Path) -> dict:
     return json.loads((run / "meta.json").read_text())
 
 
+def say(capsys, text: str) -> None:
+    """Into the test log even under ``pytest -q`` (CI shows the timings and the weight hashes)."""
+    with capsys.disabled():
+        print(text, flush=True)
+
+
 @pytest.mark.slurm
-def test_submit_runs_to_completion(slurm_cluster, tmp_path, tiny_config):  # noqa: F811
-    """srun --mpi=pmi2 here; the other two tests launch with the default, mpiexec."""
+def test_submit_runs_to_completion(slurm_cluster, tmp_path, tiny_config, capsys):  # noqa: F811
+    """srun --mpi=pmi2 here; the preemption test runs under both launchers, the sweep under mpiexec."""
     c = slurm_cluster
     launcher = "srun"
     t0 = time.monotonic()
@@ -161,7 +167,7 @@ def test_submit_runs_to_completion(slurm_cluster, tmp_path, tiny_config):  # noq
     [info] = c.wait_done(job, timeout=240)
     run = tmp_path / "results" / "tiny"
     log = (run / f"slurm-{job}.out").read_text()
-    print(f"\n{launcher}: job {job} {info['JobState']} exit {info['ExitCode']} in {time.monotonic() - t0:.1f}s")
+    say(capsys, f"\n{launcher}: job {job} {info['JobState']} exit {info['ExitCode']} in {time.monotonic() - t0:.1f}s")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     meta = read_meta(run)
@@ -172,9 +178,12 @@ def test_submit_runs_to_completion(slurm_cluster, tmp_path, tiny_config):  # noq
 
 
 @pytest.mark.slurm
-def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, tiny_config):  # noqa: F811
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, tiny_config, capsys,  # noqa: F811
+                                                       launcher):
     """USR1 to the batch shell mid-run: checkpoint, scontrol requeue, a second attempt resumes;
-    the consensus weights equal an uninterrupted run's bit for bit."""
+    the consensus weights equal an uninterrupted run's bit for bit. Under srun --kill-on-bad-exit the first
+    rank to exit 75 would end the step: every rank waits until rank 0 has committed the checkpoint."""
     c = slurm_cluster
     longer = ["train.budget=200", "train.steps_per_unit=8", "checkpoint.every=10"]
     t0 = time.monotonic()
@@ -183,7 +192,7 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
     t_ref = time.monotonic() - t0
 
     res = gen(tiny_config, "output.root=results", *longer, "--ntasks-per-node", 4, "--time", "00:15:00",
-              "--launcher", "mpiexec", "--submit", cwd=tmp_path, env=c.env)
+              "--launcher", launcher, "--submit", cwd=tmp_path, env=c.env)
     job = res.stdout.split()[1]
     run = tmp_path / "results" / "tiny"
     log = run / f"slurm-{job}.out"
@@ -216,20 +225,20 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
     text = log.read_text()
     if info.get("JobState") != "COMPLETED":
         text += f"\n--- scontrol show job {job}\n{info}\n{c.logs()}"
-    print(f"\nreference run {t_ref:.1f}s; job {job}: signalled after a checkpoint, stopped at t={stopped_at}, "
-          f"requeued {t_requeue:.1f}s later, {info['JobState']} exit {info['ExitCode']} Restarts={info['Restarts']}; "
-          f"total {time.monotonic() - t0:.1f}s")
+    say(capsys, f"\n{launcher}: reference run {t_ref:.1f}s; job {job}: signalled after a checkpoint, stopped at "
+                f"t={stopped_at}, requeued {t_requeue:.1f}s later, {info['JobState']} exit {info['ExitCode']} "
+                f"Restarts={info['Restarts']}; total {time.monotonic() - t0:.1f}s")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and int(info["Restarts"]) >= 1, text[-3000:]
     assert "attempt 2 on " in text and "done: " in text
     meta = read_meta(run)
     assert meta["status"] == "complete" and meta.get("resumed"), meta
     got = run / "consensus.pt"
-    print(f"sha256 uninterrupted {sha256(ref)}\nsha256 resumed       {sha256(got)}")
+    say(capsys, f"{launcher}: sha256 uninterrupted {sha256(ref)}\n{launcher}: sha256 resumed       {sha256(got)}")
     assert weights_equal(ref, got)
 
 
 @pytest.mark.slurm
-def test_sweep_array_of_two_seeds(slurm_cluster, tmp_path, tiny_config):  # noqa: F811
+def test_sweep_array_of_two_seeds(slurm_cluster, tmp_path, tiny_config, capsys):  # noqa: F811
     c = slurm_cluster
     t0 = time.monotonic()
     env = {"COMMUNITIES_CONFIG": str(tiny_config), "COMMUNITIES_SEEDS": "0 1",
@@ -239,7 +248,7 @@ def test_sweep_array_of_two_seeds(slurm_cluster, tmp_path, tiny_config):  # noqa
     job = res.stdout.strip().split(";")[0]
     tasks = c.wait_done(job, timeout=300)
     logs = {p.name: p.read_text() for p in tmp_path.glob("slurm-communities-sweep-*.out")}
-    print(f"\nsweep job {job}: {[(t.get('ArrayTaskId'), t['JobState'], t['ExitCode']) for t in tasks]} "
+    say(capsys, f"\nsweep job {job}: {[(t.get('ArrayTaskId'), t['JobState'], t['ExitCode']) for t in tasks]} "
           f"in {time.monotonic() - t0:.1f}s")
     assert len(tasks) == 2 and all(t["JobState"] == "COMPLETED" and t["ExitCode"] == "0:0" for t in tasks), logs
     runs = sorted(p.name for p in (tmp_path / "results").iterdir())
