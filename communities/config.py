@@ -452,12 +452,14 @@ def load_strict(text: str, source: str = "config") -> Any:
         loader.dispose()
 
 
-# Values a YAML document may hold beyond JSON's: timestamps become ISO strings; anything else is an error.
 MAX_NODES = 100_000  # a config has a few hundred; this stops alias bombs ("billion laughs") early
 
 
 def _plain(value: Any, path: str, budget: List[int], active: set) -> Any:
-    """A JSON-compatible deep copy of parsed YAML; ConfigError naming the key for what JSON cannot hold."""
+    """A JSON-compatible deep copy of parsed YAML; ConfigError naming the key for what JSON cannot hold.
+
+    YAML values beyond JSON's: timestamps become ISO strings; anything else is an error.
+    """
     budget[0] -= 1
     if budget[0] < 0:
         raise ConfigError(f"more than {MAX_NODES} values (nested aliases?) - a config is far smaller")

@@ -37,8 +37,3 @@ def restore(previous: Dict[int, object]) -> None:
 
 def requested() -> bool:
     return _requested
-
-
-def clear() -> None:
-    global _requested
-    _requested = False
