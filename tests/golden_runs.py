@@ -1,0 +1,151 @@
+"""Golden runs: fixed configs whose consensus weights must not change by accident.
+
+Each entry is a real ``mpiexec`` run of the engine through its command line. What is
+recorded per run: the sha256 of ``consensus.pt``, the sha256 of the consensus weights
+alone (the float bytes of every tensor, in state-dict order), and a few summary
+figures. A change that moves any of them changes what the engine computes: either a
+bug, or a deliberate change that re-records the table with ``--record``.
+
+    python tests/golden_runs.py --record tests/golden.json            # all runs
+    python tests/golden_runs.py --check tests/golden.json --only quickstart
+
+The hashes hold on one kind of machine (CPU model, torch and numpy builds); the
+table stores the fingerprint they were recorded on, and the test skips elsewhere.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = "configs/quickstart.yaml"
+SHORT = ["train.budget=30", "consensus.stop=false"]
+
+# name -> (ranks, config, overrides)
+RUNS = {
+    "quickstart": (8, QUICK, []),
+    "mnist1d": (8, "configs/mnist1d.yaml", ["seed=0"]),
+    **{f"quickstart_{s}": (8, QUICK, [f"strategy={s}"])
+       for s in ("gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce")},
+    # the engine's optional paths, on short runs
+    "short_examples": (8, QUICK, SHORT + ["examples.track=true", "examples.retire=true", "examples.pass_hard=true",
+                                          "examples.eval_every=3"]),
+    "short_cka": (8, QUICK, SHORT + ["signature.kind=cka", "signature.dim=32", "signature.probe_size=64"]),
+    "short_swap": (8, QUICK, SHORT + ["merge.rule=swap", "merge.partner_policy=least_recent"]),
+    "short_overlap_hier": (8, QUICK, SHORT + ["signature.overlap=true", "partners.law=hierarchical",
+                                              "clustering.cut=maxclust"]),
+    "short_robust_hostile": (8, QUICK, SHORT + ["robust.enabled=true", "faults.hostile_rank=3", "faults.nan_rank=5",
+                                                "faults.nan_at=7"]),
+    "short_clock_outer": (8, QUICK, SHORT + ["merge.rule=clock", "merge.optimizer_state=average",
+                                             "merge.outer.enabled=true"]),
+    "short_ema_steps": (4, QUICK, SHORT + ["world_size=4", "data.groups=2", "merge.rule=ema", "train.unit=steps",
+                                           "train.steps_per_unit=3", "merge.optimizer_state=reset"]),
+}
+
+
+def fingerprint() -> str:
+    """What decides the bits: CPU model, machine, torch and numpy versions."""
+    import numpy
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}|{platform.machine()}|torch {torch.__version__}|numpy {numpy.__version__}"
+
+
+def mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def weights_sha(path: Path) -> str:
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    h = hashlib.sha256()
+    for key, value in state.items():
+        h.update(key.encode())
+        h.update(value.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_one(name: str, root: Path, timeout: float = 900) -> dict:
+    """Run golden entry ``name`` under ``root``; returns its record."""
+    n, config, overrides = RUNS[name]
+    cmd = [mpiexec(), "-n", str(n)]
+    if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
+        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    cmd += [sys.executable, "-m", "communities", "run", str(ROOT / config), f"name={name}", f"output.root={root}",
+            "--no-progress", "--overwrite", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise RuntimeError(f"golden run {name} timed out after {timeout}s\n{err[-3000:]}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"golden run {name} exited {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}")
+    run_dir = root / name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "consensus_pt_sha256": hashlib.sha256((run_dir / "consensus.pt").read_bytes()).hexdigest(),
+        "weights_sha256": weights_sha(run_dir / "consensus.pt"),
+        "consensus_test_acc": summary["consensus_test_acc"],
+        "units": summary["units"],
+        "merges": summary["merges"],
+        "bytes_sent_mean": summary["bytes_sent_mean"],
+        "final_dispersion": summary["final_dispersion"],
+        "communities_per_round": summary["communities_per_round"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--record", metavar="JSON")
+    mode.add_argument("--check", metavar="JSON")
+    p.add_argument("--only", nargs="*", default=None, help="run these entries only")
+    args = p.parse_args(argv)
+    names = args.only or list(RUNS)
+    path = Path(args.record or args.check)
+    table = json.loads(path.read_text()) if args.check or path.exists() else {}
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="golden_") as tmp:
+        for name in names:
+            got = run_one(name, Path(tmp))
+            if args.record:
+                table.setdefault("runs", {})[name] = got
+                print(f"{name}: {got['consensus_pt_sha256']} acc {got['consensus_test_acc']}", flush=True)
+            else:
+                want = table["runs"][name]
+                ok = got == want
+                print(f"{name}: {'same' if ok else 'DIFFERENT'} {got['consensus_pt_sha256']}", flush=True)
+                if not ok:
+                    failures.append(name)
+                    for key in want:
+                        if want[key] != got.get(key):
+                            print(f"  {key}: recorded {want[key]!r}, now {got.get(key)!r}")
+    if args.record:
+        table["fingerprint"] = fingerprint()
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
