@@ -3,8 +3,8 @@
 ``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
 process. Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by
 SIGUSR1/SIGTERM or a ``results/<name>/STOP`` file after writing a checkpoint
-(continue with ``--resume``), anything else a failure. Errors a user can fix (config, data, run directory) print one line
-from rank 0 and exit 2 on every rank, before any rank trains; ``--debug``
+(continue with ``--resume``), anything else a failure. Errors a user can fix
+(config, data, run directory) print one line from rank 0 and exit 2 on every rank, before any rank trains; ``--debug``
 shows the traceback. Any other exception on any rank prints that rank's
 traceback and aborts the whole MPI job, so nothing hangs.
 """
@@ -18,13 +18,14 @@ import time
 import traceback
 from typing import List, Optional
 
-EXIT_USER = 2
+from .errors import EXIT_PREEMPTED, EXIT_USER, UserError, is_collective
+
 # Commands with their own argument parsers (they need neither MPI nor, for inspect, torch).
 DELEGATED = {
-    "inspect": (".inspection", "main_inspect"),
-    "compare": (".compare", "main_compare"),
-    "bench": (".bench", "main_bench"),
-    "slurm": (".slurm", "main_slurm"),
+    "inspect": (".report.inspection", "main_inspect"),
+    "compare": (".tools.compare", "main_compare"),
+    "bench": (".tools.bench", "main_bench"),
+    "slurm": (".tools.slurm", "main_slurm"),
 }
 
 
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("compare", help="run a config under several strategies and seeds: compare SPEC.yaml",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | overhead | inspect", add_help=False)
+    sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | overhead | inspect",
+                   add_help=False)
     sub.add_parser("slurm", help="write (and --submit) an sbatch script for a config", add_help=False)
     return parser
 
@@ -73,12 +75,13 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from . import stopflag
+    from .runtime import stopflag
 
     stopflag.install()  # before MPI and torch load: a SIGUSR1/SIGTERM during start-up stops at the first round
-    from .comm import World, launcher_mismatch
-    from .config import ConfigError, from_json, load
-    from . import orchestrator
+    from .config import from_json, load
+    from .engine import loop
+    from .errors import ConfigError, Preempted, RunComplete, collective
+    from .runtime.comm import World, launcher_mismatch
 
     world = World()
     text, err = None, ""
@@ -93,15 +96,14 @@ def cmd_run(args) -> int:
             err = str(exc)
     err = world.bcast_text(err)
     if err:
-        raise orchestrator.collective(ConfigError(err))
+        raise collective(ConfigError(err))
     cfg = from_json(world.bcast_text(text))
     resume = True if args.resume else ("auto" if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else False)
     try:
-        orchestrator.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress,
-                         resume=resume)
-    except orchestrator.Preempted:
-        return orchestrator.EXIT_PREEMPTED
-    except orchestrator.RunComplete as exc:
+        loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress, resume=resume)
+    except Preempted:
+        return EXIT_PREEMPTED
+    except RunComplete as exc:
         if world.rank == 0:
             print(f"communities: {exc}")
     return 0
@@ -120,19 +122,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    from .comm import Disagreement
-    from .config import ConfigError
-    from .data import DataError
-    from .models import ModelError
-    from .results import ResultsError
-
-    user_errors = (ConfigError, DataError, ModelError, ResultsError, Disagreement)
     try:
         if args.command == "validate":
             return cmd_validate(args)
         return cmd_run(args)
-    except user_errors as exc:
-        if _mpi_world_size() > 1 and not getattr(exc, "collective", False):
+    except UserError as exc:
+        if _mpi_world_size() > 1 and not is_collective(exc):
             _abort_job()  # raised on some ranks only: the others would wait forever
         if getattr(args, "debug", False):
             traceback.print_exc()
@@ -159,11 +154,12 @@ def _is_mpi_worker() -> bool:
     return bool(mpi and mpi.Is_initialized() and mpi.COMM_WORLD.Get_rank() != 0)
 
 
+ABORT_FLUSH_S = 1.0  # how long a failing rank waits, after printing its traceback, before MPI_Abort
 REMOTE_GRACE_S = 5.0  # how long a rank stopped by another's failure waits for that rank's own abort
 
 
 def _failed_elsewhere(exc: Optional[BaseException], rank: int) -> Optional[int]:
-    """The rank whose set-up failure ``exc`` relays (``orchestrator.collective_check`` marks it), or None."""
+    """The rank whose set-up failure ``exc`` relays (``runtime.collective.collective_check`` marks it), or None."""
     origin = getattr(exc, "failed_rank", None)
     return origin if origin is not None and origin != rank else None
 
@@ -189,6 +185,9 @@ def _abort_job() -> None:
         sys.stderr.write(f"communities: rank {rank} failed; aborting all {size} ranks\n")
         traceback.print_exc()
         sys.stderr.flush()
+        # The launcher forwards a rank's stderr through its proxy, and MPI_Abort makes it kill the job: give it a
+        # moment to pass the traceback on (under load, tracebacks were seen cut mid-way without this).
+        time.sleep(ABORT_FLUSH_S)
     mpi.COMM_WORLD.Abort(1)
     # MPICH's MPI_Abort returns once the launcher has the message, and the launcher's kill comes a moment later:
     # re-raising meanwhile would print the traceback a second time (cut off by the kill). Leave now instead.

@@ -12,14 +12,14 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Any, List, Literal, Optional, Union
+from typing import Any, List, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import ConfigError
 
-class ConfigError(ValueError):
-    """A bad config: the message names the key, the value and the allowed range."""
+__all__ = ["Config", "ConfigError", "load", "from_dict", "from_json", "apply_overrides", "read_yaml"]
 
 
 class _Section(BaseModel):
@@ -311,6 +311,10 @@ class ExamplesConfig(_Section):
         return self
 
 
+Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"]
+STRATEGIES = get_args(Strategy)
+SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training (every step)
+
 NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]+")
 SEED_BOUND = 2**32  # numpy's legacy RandomState and scikit-learn's random_state take seeds in [0, 2**32)
 
@@ -318,7 +322,7 @@ SEED_BOUND = 2**32  # numpy's legacy RandomState and scikit-learn's random_state
 class Config(_Section):
     name: str = Field("run", description="the run directory's name under output.root: one plain file name")
     seed: int = Field(0, ge=0, lt=SEED_BOUND, description="0 <= seed < 2**32")
-    strategy: Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"] = "community"
+    strategy: Strategy = "community"
     world_size: Optional[int] = Field(None, ge=1, description="expected MPI world size; null accepts any")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     threads: Optional[int] = Field(None, ge=1, description="torch threads per rank; null: OMP_NUM_THREADS, else 1")

@@ -22,19 +22,18 @@ only ever get whole lines appended, and readers drop a torn last line.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-
-class ResultsError(RuntimeError):
-    """A results file that is missing or damaged; the message names the file."""
-
+from .errors import ResultsError
 
 ROUND_FILES = ("signatures.npy", "Z.npy", "labels.npy", "round.json")
 
@@ -182,6 +181,148 @@ class RunWriter:
         self._jsonl.clear()
 
 
+# --------------------------------------------------------------------------- records
+
+
+def finite_or_none(x: float) -> Optional[float]:
+    """JSON has no NaN: a missing figure is null."""
+    return None if not math.isfinite(x) else float(x)
+
+
+class Event(IntEnum):
+    """What one rank's side of a mixing step did (``merges.jsonl`` field ``event``, by name)."""
+
+    MERGE = 0  # a pairwise merge
+    AVERAGE = 1  # a global Allreduce average (j = initiator = -1)
+    SKIP_DIVERGED = 2  # kept its weights: the partner diverged
+    RESET = 3  # took the partner's (or the mean's) weights: this rank had diverged
+    QUARANTINED = 4  # left alone: this rank is quarantined
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class _Record:
+    """A fixed-width numeric row: ranks gather these as float64 blocks (no pickle), rank 0 writes JSON."""
+
+    def to_row(self) -> List[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]  # type: ignore[arg-type]
+
+    @classmethod
+    def width(cls) -> int:
+        return len(fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]):
+        kinds = {f.name: f.type for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{name: (int(v) if kinds[name] == "int" else float(v)) for name, v in zip(kinds, row)})
+
+
+@dataclass
+class MetricRow(_Record):
+    """One rank's unit (``metrics.jsonl``)."""
+
+    t: int
+    loss: float
+    train_acc: float
+    test_acc: float
+    test_loss: float
+    samples: int
+    bytes_sent: int
+    wall: float  # seconds since the run started (earlier segments of a resumed run included)
+
+    def to_json(self, rank: int) -> dict:
+        return {"t": self.t, "rank": rank, "loss": finite_or_none(self.loss),
+                "train_acc": finite_or_none(self.train_acc), "test_acc": finite_or_none(self.test_acc),
+                "test_loss": finite_or_none(self.test_loss), "samples": self.samples, "bytes_sent": self.bytes_sent,
+                "wall": round(self.wall, 4)}
+
+
+@dataclass
+class MergeRow(_Record):
+    """One rank's side of a mixing step (``merges.jsonl``)."""
+
+    t: int
+    i: int  # this rank
+    j: int  # the partner (-1: a global average)
+    initiator: int  # the rank whose timer fired (-1: a global average)
+    a: float  # the weight this rank gave the partner's weights
+    update_norm: float  # ||w_after - w_before||
+    distance: float  # ||w_i - w_j|| before the merge (nan: not measured)
+    bytes: int
+    event: int  # an Event
+
+    def to_json(self, rule: str) -> dict:
+        return {"t": self.t, "i": self.i, "j": self.j, "initiator": self.initiator, "a": self.a,
+                "update_norm": finite_or_none(self.update_norm), "distance": finite_or_none(self.distance),
+                "bytes": self.bytes, "rule": rule, "event": Event(self.event).label}
+
+    @property
+    def counts_as_update(self) -> bool:
+        """Whether its update norm says the ranks still move: merges, and every side of a global average."""
+        return self.event == Event.MERGE or self.j == -1
+
+
+TIME_CATEGORIES = ("train", "exchange", "signature", "idle", "eval")
+
+
+@dataclass
+class Summary:
+    """``summary.json``: the final figures of one run (docs/results-layout.md has every field)."""
+
+    name: str
+    strategy: str
+    world_size: int
+    n_params: int
+    units: int
+    rounds: int
+    merges: int
+    consensus_test_acc: float
+    consensus_test_loss: float
+    rank_test_acc: List[float]
+    best_rank_acc: float
+    worst_rank_acc: float
+    mean_rank_acc: float
+    communities_per_round: List[int]
+    first_round_ari: Optional[float]
+    final_dispersion: Optional[float]
+    consensus_reached_t: Optional[int]
+    consensus_distance: float
+    bytes_sent_per_rank: List[int]
+    bytes_sent_mean: float
+    wall_time: float
+    monitoring_bytes_mean: float = 0.0  # Allreduces that only evaluate the consensus model
+    data_bytes_mean: float = 0.0  # training examples passed between partners
+    time_split: Dict[str, float] = field(default_factory=dict)
+    examples: Optional[dict] = None  # with examples.track
+
+    OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples",)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for key in self.OPTIONAL:
+            if d[key] is None:
+                del d[key]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Summary":
+        """A summary read back; fields an older version did not write take their defaults."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def read(cls, path: Path) -> "Summary":
+        """``summary.json`` at ``path`` (a file, or the run directory holding it)."""
+        path = Path(path)
+        data = read_json(path / "summary.json" if path.is_dir() else path)
+        try:
+            return cls.from_dict(data)
+        except TypeError as exc:  # a required field missing
+            raise ResultsError(f"{path}: damaged summary ({exc})") from None
+
+
 # --------------------------------------------------------------------------- readers
 
 
@@ -295,6 +436,16 @@ class Run:
     @property
     def complete(self) -> bool:
         return self.meta.get("status") == "complete"
+
+    @property
+    def record(self) -> Optional[Summary]:
+        """``summary`` as a typed record; None without one, or when a field is missing."""
+        if not isinstance(self.summary, dict):
+            return None
+        try:
+            return Summary.from_dict(self.summary)
+        except TypeError:
+            return None
 
     def metrics(self) -> List[dict]:
         return read_jsonl(self.path / "metrics.jsonl")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A throwaway one-node SLURM cluster for the tests (tests/test_slurm.py) and for trying
+# A throwaway one-node SLURM cluster for the tests (tests/slurm/test_slurm.py) and for trying
 # the launch/ scripts on a workstation: Debian's slurm-wlm + munge, no systemd, everything
 # (config, state, spool, logs, munge key and socket, PID files) under one directory.
 #

@@ -88,7 +88,7 @@ def cka_sketch(features, k: int, seed: int, method: str = "gaussian", dtype=np.f
     about as much. Most of that error is a systematic downward bias (the
     sketch inflates ``||Kx||_F``), which ``cka_matrix(..., debias=True)``
     removes; what is left is the O(sqrt(r) / k)-ish spread. Measured on random
-    ReLU features (effective rank ~ 20, n = 128, width 512, tests/test_similarity),
+    ReLU features (effective rank ~ 20, n = 128, width 512, tests/unit/test_similarity),
     worst |error| per pair for k = 64 / 128 / 256: plain 0.25 / 0.16 / 0.08,
     debiased 0.09 / 0.07 / 0.03 (mean 0.025 / 0.02 / 0.01). Learnt representations have
     fast-decaying spectra (small r); for isotropic, high-rank features

@@ -5,8 +5,8 @@ Nothing here asserts a speed: targets are printed next to the figures so a
 reader can judge them on their own machine.
 
 - ``exchange`` (under ``mpiexec -n 2``, or any even number of ranks paired
-  0-1, 2-3, ...): the engine's pairwise exchange as ``Orchestrator._exchange``
-  does it (the 40-byte metadata ``Sendrecv``, then ``exchange.swap_and_merge_chunked``)
+  0-1, 2-3, ...): the engine's own ``exchange.PairExchange`` (the 40-byte header
+  ``Sendrecv``, then the chunked swap and merge)
   against a raw mpi4py ``Sendrecv`` of the same weight bytes, plus its variants.
 - ``signature``: count-sketch and Gaussian signature throughput against
   ``torch.sum`` over the same buffer, peak memory overhead, distance distortion.
@@ -14,7 +14,7 @@ reader can judge them on their own machine.
 - ``overhead``: real engine runs; the orchestration share of wall time, and with
   ``--profile`` where the signature rounds spend it.
 - ``inspect``: ``communities inspect`` (``inspection.main_inspect``) on a synthetic
-  run directory (``communities.synthetic.make_run``, 64 ranks and 50 rounds by default).
+  run directory (``communities.tools.synthetic.make_run``, 64 ranks and 50 rounds by default).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools/ -> communities/ -> root)
 MB = 1 << 20
 
 
@@ -110,39 +110,27 @@ def _mpiexec() -> str:
 # =========================================================================== exchange
 
 
-def bench_exchange(args) -> int:
-    import numpy as np
-    import torch
+class _PairTimer:
+    """Timings for ``bench exchange``: each repetition starts after a barrier; the slowest rank counts."""
 
-    from . import exchange, merge
-    from .comm import World
+    def __init__(self, world):
+        self.world = world
 
-    torch.set_num_threads(args.threads)
-    world = World(timeout=600.0)  # armed as in the engine (comm.timeout's default)
-    comm = world.comm
-    if world.size < 2 or world.size % 2:
-        if world.rank == 0:
-            print("communities bench exchange: run it under mpiexec with an even number of ranks, e.g. "
-                  "mpiexec -n 2 python -m communities.bench exchange", file=sys.stderr)
-        return 2
-    peer = world.rank ^ 1
-    lead = world.rank == 0
-    machine = _machine()
-
-    def timed(fn, reps: int, warmup: int) -> Dict[str, float]:
-        """Median over reps of the slowest rank's time (each rep starts after a barrier)."""
+    def timed(self, fn, reps: int, warmup: int) -> Dict[str, float]:
+        """Median over reps of the slowest rank's time."""
         for _ in range(warmup):
             fn()
         worst = []
         for _ in range(reps):
-            comm.Barrier()
+            self.world.comm.Barrier()
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
-            worst.append(world.allreduce_scalar(dt, op="max"))
+            worst.append(self.world.allreduce_scalar(dt, op="max"))
         return {"median_s": _median(worst), "min_s": min(worst), "max_s": max(worst)}
 
-    def local(fn, reps: int, warmup: int) -> float:
+    def local(self, fn, reps: int, warmup: int) -> float:
+        """Median of a rank-local operation (no communication), slowest rank."""
         for _ in range(warmup):
             fn()
         ts = []
@@ -150,74 +138,106 @@ def bench_exchange(args) -> int:
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-        return world.allreduce_scalar(_median(ts), op="max")
+        return self.world.allreduce_scalar(_median(ts), op="max")
 
-    # correctness first: a = 0.5 leaves both ranks of a pair holding the pair's mean
+
+def _exchange_checks(world, peer: int):
+    """Correctness first: a = 0.5 leaves both ranks of a pair holding the pair's mean, bitwise lerp_'s."""
+    import torch
+
+    from ..core import merge
+    from ..engine import exchange
+
     gen = torch.Generator().manual_seed(1234)
     base = [torch.randn(100_003, generator=gen) for _ in range(2)]
     mine, theirs = base[world.rank % 2], base[1 - world.rank % 2]
     checks = {}
     small = exchange.ChunkBuffers(mine.numel(), mine.dtype, chunk=4096)  # many chunks and a short tail
-    for label, fn in (("swap_and_merge", lambda f: exchange.swap_and_merge(world, f, torch.empty_like(f), peer, 0.5)),
-                      ("swap_and_merge_chunked", lambda f: exchange.swap_and_merge_chunked(world, f, peer, 0.5, small))):
+    variants = (("swap_and_merge", lambda f: exchange.swap_and_merge(world, f, torch.empty_like(f), peer, 0.5)),
+                ("swap_and_merge_chunked", lambda f: exchange.swap_and_merge_chunked(world, f, peer, 0.5, small)))
+    for label, fn in variants:
         f = mine.clone()
         d = fn(f)
         ref = mine.clone()
         merge.interpolate_(ref, theirs, 0.5)
         mean = (mine.double() + theirs.double()) / 2
+        true_d = float(torch.dist(mine.double(), theirs.double()))
         checks[label] = {"equals_reference_merge": bool(torch.equal(f, ref)),
                          "max_err_vs_mean": float((f.double() - mean).abs().max()),
-                         "distance_rel_err": abs(d - float(torch.dist(mine.double(), theirs.double())))
-                         / float(torch.dist(mine.double(), theirs.double()))}
+                         "distance_rel_err": abs(d - true_d) / true_d}
     ok = all(c["equals_reference_merge"] and c["max_err_vs_mean"] < 1e-6 for c in checks.values())
-    ok = world.allreduce_scalar(float(ok), op="min") > 0  # buffers only: nothing unpickled
+    return world.allreduce_scalar(float(ok), op="min") > 0, checks  # buffers only: nothing unpickled
 
-    rows, results = [], []
-    for size_mb in args.sizes_mb:
-        n = int(size_mb * MB) // 4
-        nbytes = n * 4
-        g = torch.Generator().manual_seed(world.rank + 1)
-        flat = torch.randn(n, generator=g)
-        recv = torch.empty_like(flat)
-        send_np, recv_np = flat.numpy().copy(), np.empty(n, dtype=np.float32)
-        buffers = exchange.ChunkBuffers(n, flat.dtype)
-        reps, warm = args.reps, args.warmup
-        r = {"size_mb": size_mb, "bytes": nbytes}
-        r["raw"] = timed(lambda: comm.Sendrecv(send_np, dest=peer, sendtag=7, recvbuf=recv_np, source=peer,
-                                               recvtag=7), reps, warm)
-        meta = np.array([1000.0, 0.5, float(n), 0.0, 0.0], dtype=np.float64)  # what _exchange swaps first
 
-        def engine():
-            """Orchestrator._exchange: the 40-byte metadata Sendrecv, then the chunked swap and merge."""
-            other = world.sendrecv_array(meta, peer, tag=1)
-            if int(other[2]) != n:
-                raise RuntimeError("bench exchange: the partner holds another buffer size")
-            exchange.swap_and_merge_chunked(world, flat, peer, 0.5, buffers)
+def _exchange_one_size(world, peer: int, size_mb: float, reps: int, warm: int, clock: _PairTimer) -> dict:
+    """Raw Sendrecv, the engine's PairExchange and its variants, on one buffer size."""
+    import numpy as np
+    import torch
 
-        r["engine"] = timed(engine, reps, warm)
-        r["meta"] = timed(lambda: world.sendrecv_array(meta, peer, tag=1), reps, warm)
-        r["engine_nodist"] = timed(lambda: exchange.swap_and_merge_chunked(world, flat, peer, 0.5, buffers,
-                                                                           distance=False), reps, warm)
-        r["whole"] = timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5), reps, warm)
-        # the local pieces of the engine exchange, each rank alone (no communication)
-        other = torch.randn(n, generator=g)
-        r["local_dist_s"] = local(lambda: torch.dist(flat, other), reps, 1)
-        r["local_lerp_s"] = local(lambda: flat.lerp_(other, 0.5), reps, 1)
-        r["local_sum_s"] = local(lambda: flat.sum(), reps, 1)
-        for key in ("raw", "engine", "engine_nodist", "whole"):
-            r[key]["GBps"] = nbytes / r[key]["median_s"] / 1e9
-            if key != "raw":
-                r[key]["ratio_vs_raw"] = r["raw"]["median_s"] / r[key]["median_s"]
-        results.append(r)
+    from ..engine import exchange
 
-        def cell(key):
-            return f"{r[key]['median_s'] * 1e3:.2f} / {r[key]['GBps']:.2f}"
+    n = int(size_mb * MB) // 4
+    g = torch.Generator().manual_seed(world.rank + 1)
+    flat = torch.randn(n, generator=g)
+    recv = torch.empty_like(flat)
+    send_np, recv_np = flat.numpy().copy(), np.empty(n, dtype=np.float32)
+    r: dict = {"size_mb": size_mb, "bytes": n * 4}
+    r["raw"] = clock.timed(lambda: world.comm.Sendrecv(send_np, dest=peer, sendtag=7, recvbuf=recv_np, source=peer,
+                                                       recvtag=7), reps, warm)
+    pair = exchange.PairExchange(world, n, flat.dtype)  # the engine's own exchange object
+    header = exchange.Header(samples=1000.0, loss=0.5, size=n, has_state=False, diverged=False)
 
-        rows.append([f"{size_mb:g}", cell("raw"), cell("engine"), f"{r['engine']['ratio_vs_raw']:.2f}",
-                     cell("engine_nodist"), f"{r['engine_nodist']['ratio_vs_raw']:.2f}",
-                     cell("whole"), f"{r['whole']['ratio_vs_raw']:.2f}",
-                     f"{r['local_dist_s'] * 1e3:.2f}", f"{r['local_lerp_s'] * 1e3:.2f}",
-                     f"{r['meta']['median_s'] * 1e3:.3f}"])
+    def engine():
+        """What the mixer runs per exchange: the header Sendrecv, then the chunked swap and merge."""
+        pair.swap_headers(header, peer)
+        pair.swap_weights(flat, peer, 0.5)
+
+    r["engine"] = clock.timed(engine, reps, warm)
+    r["meta"] = clock.timed(lambda: pair.swap_headers(header, peer), reps, warm)
+    r["engine_nodist"] = clock.timed(lambda: exchange.swap_and_merge_chunked(world, flat, peer, 0.5, pair.buffers,
+                                                                             distance=False), reps, warm)
+    r["whole"] = clock.timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5), reps, warm)
+    # the local pieces of the engine exchange, each rank alone (no communication)
+    other = torch.randn(n, generator=g)
+    r["local_dist_s"] = clock.local(lambda: torch.dist(flat, other), reps, 1)
+    r["local_lerp_s"] = clock.local(lambda: flat.lerp_(other, 0.5), reps, 1)
+    r["local_sum_s"] = clock.local(lambda: flat.sum(), reps, 1)
+    for key in ("raw", "engine", "engine_nodist", "whole"):
+        r[key]["GBps"] = r["bytes"] / r[key]["median_s"] / 1e9
+        if key != "raw":
+            r[key]["ratio_vs_raw"] = r["raw"]["median_s"] / r[key]["median_s"]
+    return r
+
+
+def _exchange_row(r: dict) -> list:
+    def cell(key):
+        return f"{r[key]['median_s'] * 1e3:.2f} / {r[key]['GBps']:.2f}"
+
+    return [f"{r['size_mb']:g}", cell("raw"), cell("engine"), f"{r['engine']['ratio_vs_raw']:.2f}",
+            cell("engine_nodist"), f"{r['engine_nodist']['ratio_vs_raw']:.2f}",
+            cell("whole"), f"{r['whole']['ratio_vs_raw']:.2f}",
+            f"{r['local_dist_s'] * 1e3:.2f}", f"{r['local_lerp_s'] * 1e3:.2f}", f"{r['meta']['median_s'] * 1e3:.3f}"]
+
+
+def bench_exchange(args) -> int:
+    import torch
+
+    from ..runtime.comm import World
+
+    torch.set_num_threads(args.threads)
+    world = World(timeout=600.0)  # armed as in the engine (comm.timeout's default)
+    if world.size < 2 or world.size % 2:
+        if world.rank == 0:
+            print("communities bench exchange: run it under mpiexec with an even number of ranks, e.g. "
+                  "mpiexec -n 2 python -m communities.tools.bench exchange", file=sys.stderr)
+        return 2
+    peer = world.rank ^ 1
+    lead = world.rank == 0
+    machine = _machine()
+    ok, checks = _exchange_checks(world, peer)
+    clock = _PairTimer(world)
+    results = [_exchange_one_size(world, peer, size_mb, args.reps, args.warmup, clock) for size_mb in args.sizes_mb]
+    rows = [_exchange_row(r) for r in results]
 
     if lead:
         print(f"bench exchange: {world.size} ranks in pairs, {World.library_version()}; {machine}")
@@ -225,8 +245,8 @@ def bench_exchange(args) -> int:
               "slowest rank's time (a barrier before each); GB/s = bytes each rank sends / time "
               "(it receives as many).")
         print("The flat buffer IS the model: the engine exchange has no flatten/unflatten step. "
-              "engine = what Orchestrator._exchange does: a Sendrecv of 5 float64 metadata (40 bytes: samples, "
-              "loss, size, optimizer state, diverged), then exchange.swap_and_merge_chunked: a Sendrecv per 1 MiB "
+              "engine = the mixer's exchange.PairExchange: a header Sendrecv of 5 float64 (40 bytes: samples, "
+              "loss, size, optimizer state, diverged), then swap_weights: a Sendrecv per 1 MiB "
               "chunk into a chunk-sized buffer, then distance and lerp_ fused while the chunk is in cache.")
         print(f"check (a=0.5, both ranks end at the pair mean, equal to merge.interpolate_): "
               f"{'ok' if ok else 'FAILED'} {json.dumps(checks)}")
@@ -240,7 +260,7 @@ def bench_exchange(args) -> int:
               "chunked exchange without the update-norm distance; whole-buffer = exchange.swap_and_merge "
               "(one Sendrecv of the whole buffer, then torch.dist and lerp_; the path device tensors take); "
               "neither with the metadata Sendrecv. torch.dist and lerp_ are each rank alone, no communication; "
-              "meta Sendrecv = the 40-byte metadata swap alone, included in engine.")
+              "meta Sendrecv = the 40-byte header swap alone, included in engine.")
         _write_json(args.json, {"bench": "exchange", "world_size": world.size, "mpi": World.library_version(),
                                 "reps": args.reps, "warmup": args.warmup, "check_ok": ok, "checks": checks,
                                 "results": results})
@@ -255,7 +275,7 @@ def _signature_one(args) -> int:
     import numpy as np
     import torch
 
-    from . import signature
+    from ..core import signature
 
     torch.set_num_threads(args.threads)
     P, d = int(args.params), int(args.dim)
@@ -347,7 +367,8 @@ def bench_signature(args) -> int:
                         > args.gaussian_budget:
                     skipped.append((kind, P, predicted))
                     continue
-            cmd = [sys.executable, "-m", "communities.bench", "_signature-one", "--kind", kind, "--params", str(P),
+            cmd = [sys.executable, "-m", "communities.tools.bench", "_signature-one", "--kind", kind,
+                   "--params", str(P),
                    "--dim", str(args.dim), "--threads", str(args.threads), "--reps", str(args.reps),
                    "--gaussian-reps", str(args.gaussian_reps), "--n-pairs", str(args.n_pairs),
                    "--pairs", *args.pairs]
@@ -421,7 +442,7 @@ def _cut_auto_sklearn(Z, distances, max_k=16, min_silhouette=0.25, min_separatio
     from scipy.spatial.distance import squareform
     from sklearn.metrics import silhouette_score
 
-    from .clustering import cut_maxclust
+    from ..core.clustering import cut_maxclust
 
     n = Z.shape[0] + 1
     if n < 3:
@@ -445,7 +466,9 @@ def _cut_auto_sklearn(Z, distances, max_k=16, min_silhouette=0.25, min_separatio
 def bench_clustering(args) -> int:
     import numpy as np
 
-    from . import clustering, config, strategies
+    from .. import config
+    from ..core import clustering
+    from ..engine import strategies
 
     machine = _machine()
     import importlib
@@ -471,7 +494,7 @@ def bench_clustering(args) -> int:
                                                       max_k=min(cc.max_communities, n - 1),
                                                       min_silhouette=cc.min_silhouette,
                                                       min_separation=cc.min_separation)
-                    strat.observe(com)
+                    strat.observe(com, None, t_unit)  # no mixer: partner_policy law needs none
                     t1 = time.perf_counter()
                     strat.law(t_unit)
                     t2 = time.perf_counter()
@@ -568,7 +591,7 @@ def _profile_rank(args) -> int:
     """Run ``communities ARGV`` under cProfile, dumping ``OUT/rank<r>.prof`` per rank."""
     import cProfile
 
-    from . import cli
+    from .. import cli
 
     prof = cProfile.Profile()
     prof.enable()
@@ -600,7 +623,7 @@ def _callee_breakdown(stats, parent_name: str, depth: int = 2, min_share: float 
 
     def walk(funcs, level):
         agg: Dict[tuple, float] = {}
-        for f, (cc, nc, tt, ct, callers) in table.items():
+        for f, (_cc, _nc, _tt, _ct, callers) in table.items():
             for p in funcs:
                 if p in callers:
                     agg[f] = agg.get(f, 0.0) + callers[p][3]
@@ -618,6 +641,8 @@ def _callee_breakdown(stats, parent_name: str, depth: int = 2, min_share: float 
 
 def bench_overhead(args) -> int:
     import yaml
+
+    from ..results import TIME_CATEGORIES, Summary
 
     machine = _machine()
     launcher = [args.mpiexec or _mpiexec()]
@@ -645,20 +670,20 @@ def bench_overhead(args) -> int:
             outer = launch(_engine_cmd(launcher, n, config, str(root), args.overrides), config)
             if outer is None:
                 return 1
-            s = json.loads((root / name / "summary.json").read_text())
-            ts, wall = s["time_split"], s["wall_time"]
+            s = Summary.read(root / name)
+            ts, wall = s.time_split, s.wall_time
             split_sum = sum(ts.values())
             share = ts["signature"] / wall
             shares.append(share)
-            r = {"config": config, "name": name, "repeat": rep, "world_size": n, "units": s["units"],
-                 "rounds": s["rounds"], "wall_time": wall, "launch_to_exit_s": outer, "time_split": ts,
+            r = {"config": config, "name": name, "repeat": rep, "world_size": n, "units": s.units,
+                 "rounds": s.rounds, "wall_time": wall, "launch_to_exit_s": outer, "time_split": ts,
                  "signature_share_of_wall": share,
                  "signature_share_of_split": ts["signature"] / split_sum if split_sum else None,
-                 "signature_ms_per_round": 1e3 * ts["signature"] / max(1, s["rounds"])}
+                 "signature_ms_per_round": 1e3 * ts["signature"] / max(1, s.rounds)}
             results.append(r)
-            rows.append([name if args.repeat == 1 else f"{name} #{rep + 1}", n, s["units"], s["rounds"],
+            rows.append([name if args.repeat == 1 else f"{name} #{rep + 1}", n, s.units, s.rounds,
                          f"{wall:.2f}", f"{outer:.1f}",
-                         *[f"{ts[c]:.3f}" for c in ("train", "exchange", "signature", "idle", "eval")],
+                         *[f"{ts[c]:.3f}" for c in TIME_CATEGORIES],
                          f"{r['signature_ms_per_round']:.1f}", f"{100 * share:.2f}%",
                          f"{100 * r['signature_share_of_split']:.2f}%"])
         if args.repeat > 1:
@@ -666,7 +691,7 @@ def bench_overhead(args) -> int:
                          f"{100 * _median(shares):.2f}%", ""])
         if args.profile:
             prof_dir = root / f"{name}.profile"
-            wrap = ["communities.bench", "_profile-rank", "--out", str(prof_dir), "--"]
+            wrap = ["communities.tools.bench", "_profile-rank", "--out", str(prof_dir), "--"]
             if launch(_engine_cmd(launcher, n, config, str(root), args.overrides, wrap), config) is None:
                 return 1
             import pstats
@@ -725,7 +750,7 @@ def bench_inspect(args) -> int:
     synthetic.make_run(run, n_ranks=args.ranks, n_rounds=args.rounds, groups=args.groups or None, dim=args.dim,
                        seed=args.seed)
     make_s = time.perf_counter() - t0
-    from .inspection import main_inspect
+    from ..report.inspection import main_inspect
 
     results, rows = [], []
     for rep in range(args.repeat):
@@ -742,9 +767,9 @@ def bench_inspect(args) -> int:
         drawn = len(list((run / "report").glob("dendrogram_round_*.png")))
         results.append({"repeat": rep, "wall_s": wall, "cpu_s": cpu, "dendrograms": drawn})
         rows.append([rep + 1, f"{wall:.2f}", f"{cpu:.2f}", drawn])
-    print(f"bench inspect: communities.inspection.main_inspect([run{' --no-svg' if args.no_svg else ''}]) on a "
+    print(f"bench inspect: communities.report.inspection.main_inspect([run{' --no-svg' if args.no_svg else ''}]) on a "
           f"synthetic run of {args.ranks} ranks x {args.rounds} rounds (groups={args.groups}, d={args.dim}, "
-          f"seed={args.seed}; made in {make_s:.2f} s by communities.synthetic.make_run); {machine}")
+          f"seed={args.seed}; made in {make_s:.2f} s by communities.tools.synthetic.make_run); {machine}")
     print()
     print(_fmt_table(["run", "wall s", "CPU s", "dendrograms"], rows))
     print()

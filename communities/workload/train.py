@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import protocol
+from ..core import protocol
 
 
 def make_optimizer(cfg, params) -> torch.optim.Optimizer:
@@ -42,7 +42,7 @@ def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Option
     successive permutations, so ranks with different shard sizes take the same
     number of equal steps (what a per-step collective needs).
     """
-    g = protocol.rng(seed, protocol.SHUFFLE, t, rank)
+    g = protocol.rng(seed, protocol.Purpose.SHUFFLE, t, rank)
     if steps is None:
         perm = g.permutation(n)
         for lo in range(0, n, batch_size):

@@ -13,9 +13,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import nn
 
-
-class ModelError(ValueError):
-    """A model that cannot be built or used; the message names the config key."""
+from ..errors import ModelError
 
 
 class MLP(nn.Module):

@@ -306,8 +306,8 @@ def packet_sizes(n_examples: int, feature_numel: int, world: int, visited: str =
 
 
 def _checksum(floats_payload: np.ndarray, ints_payload: np.ndarray) -> int:
-    c = zlib.crc32(memoryview(np.ascontiguousarray(floats_payload)).cast("B"))
-    return zlib.crc32(memoryview(np.ascontiguousarray(ints_payload)).cast("B"), c)
+    c = zlib.crc32(np.ascontiguousarray(floats_payload).tobytes())
+    return zlib.crc32(np.ascontiguousarray(ints_payload).tobytes(), c)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -399,7 +399,8 @@ class ExampleTable:
 
     # ------------------------------------------------------------------ retirement
 
-    def sample_reserve(self, rho: float, rng: Optional[np.random.Generator], include_retired: bool = False) -> np.ndarray:
+    def sample_reserve(self, rho: float, rng: Optional[np.random.Generator],
+                       include_retired: bool = False) -> np.ndarray:
         """RESERVE rows (and RETIRED ones if asked), each kept with probability rho; marks them sampled.
 
         One ``rng.random()`` per candidate row, in row order. Sorted rows.
@@ -602,7 +603,7 @@ class ExampleTable:
 
     def state_dict(self) -> dict:
         """Tensors and plain ints only: loads with ``torch.load(weights_only=True)``."""
-        state = {"version": STATE_VERSION, "world": self.world, "form": self.form.kind,
+        state: Dict[str, object] = {"version": STATE_VERSION, "world": self.world, "form": self.form.kind,
                  "capacity": self.form.capacity, "forgetting_events": int(self.forgetting_events)}
         for f in self._ROW_FIELDS:
             a = getattr(self, f)

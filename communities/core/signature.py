@@ -24,6 +24,7 @@ the drift itself is never materialised.
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 

@@ -6,7 +6,7 @@ so derives the same tree and the same labels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 from scipy.cluster import hierarchy
@@ -57,7 +57,7 @@ _BLOCK = 256
 # A pair is recomputed directly when its squared distance is below this fraction of |v_i|^2 + |v_j|^2 (the
 # squared norms of the centred rows): there the Gram formula would lose about 10 bits to cancellation.
 _CLOSE = 2.0 ** -10
-_THREADPOOLS = []  # a threadpoolctl controller, made on first use
+_THREADPOOLS: list = []  # a threadpoolctl controller, made on first use
 
 
 def _one_blas_thread():
@@ -130,12 +130,12 @@ def _gram_distances(X: np.ndarray, metric: str):
                 out[start: start + row.size] = row
                 start += row.size
     if close:
-        close = np.concatenate(close)
-        ii, jj = _condensed_pairs(close, n)
-        for k in range(0, close.size, 1 << 15):
+        pairs = np.concatenate(close)
+        ii, jj = _condensed_pairs(pairs, n)
+        for k in range(0, pairs.size, 1 << 15):
             sl = slice(k, k + (1 << 15))
             diff = X[ii[sl]] - X[jj[sl]]
-            out[close[sl]] = (diff * diff).sum(axis=1)
+            out[pairs[sl]] = (diff * diff).sum(axis=1)
     if metric == "cosine":
         out *= 0.5
         np.minimum(out, 2.0, out=out)
@@ -409,5 +409,14 @@ def find_communities(
     else:
         raise ValueError(f"cut={cut!r} is not one of maxclust, distance, auto")
     count = int(labels.max()) + 1
-    height = float(threshold) if cut == "distance" else height_for_k(Z, count)
+    height = float(threshold) if cut == "distance" and threshold is not None else height_for_k(Z, count)
     return Communities(Z=Z, labels=labels, cut_height=height, distances=d)
+
+
+def adjusted_rand(labels: np.ndarray, groups: Optional[Sequence[int]]) -> Optional[float]:
+    """Adjusted Rand index of communities against planted groups (None without groups): 1 is a perfect recovery."""
+    if groups is None:
+        return None
+    from sklearn.metrics import adjusted_rand_score
+
+    return float(adjusted_rand_score(np.asarray(groups), np.asarray(labels)))

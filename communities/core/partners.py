@@ -7,6 +7,9 @@ Both exclude i itself and become uniform gossip as p_cross -> p_intra or T -> in
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 from scipy.cluster import hierarchy
 
@@ -36,7 +39,7 @@ def cophenetic_heights(Z: np.ndarray) -> np.ndarray:
     return h / top if top > 0 else np.zeros_like(h)
 
 
-_LEFT = {}  # n -> condensed index of (j, 0) minus 1, so that (j, i) for j < i is _LEFT[n][j] + i
+_LEFT: dict = {}  # n -> condensed index of (j, 0) minus 1, so that (j, i) for j < i is _LEFT[n][j] + i
 
 
 def _left_offsets(n: int) -> np.ndarray:
@@ -108,3 +111,24 @@ def staleness_weights(seen_at: np.ndarray, t: int, power: float = 2.0) -> np.nda
     W = (1.0 + float(t) - seen) ** float(power)
     np.fill_diagonal(W, 0.0)
     return W
+
+
+@dataclass
+class Law:
+    """The partner law in force: the latest round's communities plus the schedules' values at t."""
+
+    kind: str  # flat | hierarchical | uniform
+    n: int
+    labels: Optional[np.ndarray] = None
+    heights: Optional[np.ndarray] = None  # condensed, normalised cophenetic heights
+    p_intra: float = 1.0
+    p_cross: float = 1.0
+    temperature: float = 1.0
+
+    def probabilities(self, i: int) -> np.ndarray:
+        """P(j | i) over all N ranks (zero on i)."""
+        if self.kind == "flat" and self.labels is not None:
+            return flat_probabilities(self.labels, i, self.p_intra, self.p_cross)
+        if self.kind == "hierarchical" and self.heights is not None:
+            return hierarchical_probabilities(self.heights, self.n, i, self.temperature)
+        return uniform_probabilities(self.n, i)

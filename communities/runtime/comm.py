@@ -13,17 +13,31 @@ Bytes sent are counted per rank.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import socket
 import sys
 import threading
 import time
 from contextlib import contextmanager
+from enum import IntEnum
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
+
+from ..errors import Disagreement
+
+
+class Tag(IntEnum):
+    """Point-to-point message tags: one per kind of message, so no two can be confused."""
+
+    HEADER = 1  # the exchange header (merge metadata) partners swap before the weights
+    WEIGHTS = 2  # the flat weights, one chunk at a time
+    OPTIMIZER = 3  # optimizer moments (merge.optimizer_state: average)
+    EXAMPLE_COUNT = 5  # hard-example passing: how many examples each side sends
+    EXAMPLE_FLOATS = 6  # ... their features and confidences
+    EXAMPLE_INTS = 7  # ... their labels, ids, states and visited sets
+    SEEN_AT = 8  # merge.partner_policy least_recent: the record of when the model saw each shard
 
 
 def _mpi():
@@ -32,10 +46,6 @@ def _mpi():
     return MPI
 
 
-class Disagreement(RuntimeError):
-    """Ranks hold different values of something they must share; raised identically on every rank."""
-
-    collective = True
 
 
 class Watchdog:
@@ -107,6 +117,16 @@ class World:
     def monitoring(self):
         """Bytes sent inside the block only measure (consensus-model evaluations): not training traffic."""
         return self.metered("monitoring")
+
+    COUNTERS = ("bytes_sent", "bytes_monitoring", "bytes_data")
+
+    def state_dict(self) -> dict:
+        """The byte counters (a resumed run keeps counting where it stopped)."""
+        return {key: int(getattr(self, key)) for key in self.COUNTERS}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in self.COUNTERS:
+            setattr(self, key, int(state[key]))
 
     def set_timeout(self, timeout: float) -> None:
         """Arm (or re-arm) the watchdog, once the config is known."""
@@ -286,23 +306,6 @@ class World:
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
-
-
-class Stopwatch:
-    """Accumulates wall time per category: train, exchange, signature, idle, eval."""
-
-    CATEGORIES = ("train", "exchange", "signature", "idle", "eval")
-
-    def __init__(self):
-        self.total = {c: 0.0 for c in self.CATEGORIES}
-
-    @contextmanager
-    def __call__(self, category: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.total[category] += time.perf_counter() - start
 
 
 # Variables a launcher sets in each process it starts, holding the size of the world it started:

@@ -12,12 +12,24 @@ proceed, so there is no cycle of waits and no deadlock.
 from __future__ import annotations
 
 import hashlib
+from enum import IntEnum
 from typing import Callable, List, Sequence, Tuple
 
 import numpy as np
 
-# purposes: distinct streams for distinct decisions
-TIMER, PARTNER, SHUFFLE, INIT, HOSTILE, SLOW, EX_TRAIN, EX_EVAL, EX_STEP = 1, 2, 3, 4, 5, 6, 7, 8, 9
+
+class Purpose(IntEnum):
+    """What a random stream decides: distinct decisions draw from distinct streams."""
+
+    TIMER = 1  # a rank's merge timer K
+    PARTNER = 2  # an initiator's partner
+    SHUFFLE = 3  # the order of a unit's batches
+    SLOW = 6  # faults.slow_max: a unit's injected delay
+    EX_TRAIN = 7  # examples: the reserve sample trained on in a unit
+    EX_EVAL = 8  # examples: the reserve sample evaluated
+    EX_STEP = 9  # examples: retirement draws
+    JITTER = 10  # faults.jitter: a batch's injected delay
+
 
 Exchange = Tuple[int, int]  # (initiator, partner)
 
@@ -29,7 +41,7 @@ def rng(seed: int, purpose: int, t: int, i: int = 0) -> np.random.Generator:
 
 def merge_interval(seed: int, t: int, i: int, lam: float) -> int:
     """K ~ 1 + Poisson(lam - 1): K >= 1 units until rank i's next merge, mean lam."""
-    return 1 + int(rng(seed, TIMER, t, i).poisson(max(lam - 1.0, 0.0)))
+    return 1 + int(rng(seed, Purpose.TIMER, t, i).poisson(max(lam - 1.0, 0.0)))
 
 
 class MergeClock:
@@ -64,7 +76,7 @@ def exchange_list(
         p = probabilities(i)
         if not p.sum() > 0:  # nobody eligible (every other rank excluded)
             continue
-        j = draw(p, rng(seed, PARTNER, t, i))
+        j = draw(p, rng(seed, Purpose.PARTNER, t, i))
         if j != i:
             out.append((i, j))
     return out
@@ -84,3 +96,24 @@ def digest(*arrays) -> bytes:
         h.update(np.asarray(a.shape, dtype=np.int64).tobytes())
         h.update(a.tobytes())
     return h.digest()
+
+
+class RunningDigest:
+    """A digest chained over everything the ranks must agree on (exchange lists, communities).
+
+    ``update`` folds new arrays into it; two ranks hold the same value only if
+    they derived the same sequence of decisions. Ranks allgather it each round.
+    """
+
+    def __init__(self, value: bytes = b""):
+        self.value = value
+
+    def update(self, *arrays) -> bytes:
+        self.value = digest(np.frombuffer(self.value, dtype=np.uint8), *arrays)
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value.hex()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = bytes.fromhex(state["value"])

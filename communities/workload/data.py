@@ -18,9 +18,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-
-class DataError(ValueError):
-    """A dataset or partition that cannot be used; the message says which and why."""
+from ..errors import DataError
 
 
 @dataclass
@@ -73,7 +71,8 @@ def load_mnist1d(seed: int) -> Dataset:
     try:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError:
-        raise DataError("data.dataset='mnist1d' needs the mnist1d package: pip install 'communities[mnist1d]'") from None
+        raise DataError("data.dataset='mnist1d' needs the mnist1d package: "
+                        "pip install 'communities[mnist1d]'") from None
     args = get_dataset_args()
     d = make_dataset(args)
     return Dataset(
@@ -102,23 +101,29 @@ def load_user(spec: str) -> Dataset:
         raise DataError(f"data.dataset={spec!r}: cannot import {fn_name!r} from {mod_name!r} ({exc})") from None
     out = fn()
     if not isinstance(out, (tuple, list)) or len(out) != 4:
-        raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), got {type(out).__name__}")
+        raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), "
+                        f"got {type(out).__name__}")
     arrays = [np.asarray(a.numpy() if isinstance(a, torch.Tensor) else a) for a in out]
     xtr, ytr, xte, yte = arrays
-    return validate(Dataset(xtr.astype(np.float32), ytr.astype(np.int64), xte.astype(np.float32), yte.astype(np.int64), spec))
+    return validate(Dataset(xtr.astype(np.float32), ytr.astype(np.int64), xte.astype(np.float32),
+                            yte.astype(np.int64), spec))
 
 
 def validate(ds: Dataset) -> Dataset:
     """Shapes and labels a classifier can train on; raises DataError naming the dataset."""
     where = f"data.dataset={ds.name!r}"
     if ds.x_train.ndim < 2 or ds.x_test.ndim < 2:
-        raise DataError(f"{where}: x_train and x_test need shape (n, features...), got {ds.x_train.shape} and {ds.x_test.shape}")
+        raise DataError(f"{where}: x_train and x_test need shape (n, features...), "
+                        f"got {ds.x_train.shape} and {ds.x_test.shape}")
     if ds.y_train.ndim != 1 or ds.y_test.ndim != 1:
-        raise DataError(f"{where}: y_train and y_test must be 1-D label vectors, got {ds.y_train.shape} and {ds.y_test.shape}")
+        raise DataError(f"{where}: y_train and y_test must be 1-D label vectors, "
+                        f"got {ds.y_train.shape} and {ds.y_test.shape}")
     if len(ds.x_train) != len(ds.y_train) or len(ds.x_test) != len(ds.y_test):
-        raise DataError(f"{where}: x and y lengths differ (train {len(ds.x_train)} vs {len(ds.y_train)}, test {len(ds.x_test)} vs {len(ds.y_test)})")
+        raise DataError(f"{where}: x and y lengths differ (train {len(ds.x_train)} vs {len(ds.y_train)}, "
+                        f"test {len(ds.x_test)} vs {len(ds.y_test)})")
     if ds.x_train.shape[1:] != ds.x_test.shape[1:]:
-        raise DataError(f"{where}: train features {ds.x_train.shape[1:]} differ from test features {ds.x_test.shape[1:]}")
+        raise DataError(f"{where}: train features {ds.x_train.shape[1:]} differ from test features "
+                        f"{ds.x_test.shape[1:]}")
     if len(ds.y_train) == 0 or len(ds.y_test) == 0:
         raise DataError(f"{where}: empty train or test set")
     if min(ds.y_train.min(), ds.y_test.min()) < 0:

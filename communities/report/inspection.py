@@ -53,7 +53,8 @@ from scipy.cluster import hierarchy
 from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import pdist
 
-from .results import ResultsError, Run, load_round, open_run
+from ..core.clustering import adjusted_rand
+from ..results import ResultsError, Run, load_round, open_run
 
 DPI = 100
 MAX_DENDROGRAM_LEAVES = 128  # draw every leaf up to this many ranks; beyond, truncate
@@ -138,15 +139,6 @@ def cophenetic_correlation(Z: np.ndarray, signatures: np.ndarray, metric: str) -
         warnings.simplefilter("ignore")
         c, _ = hierarchy.cophenet(np.asarray(Z, dtype=np.float64), Y)
     return float(c)
-
-
-def adjusted_rand(labels: np.ndarray, groups: Optional[np.ndarray]) -> Optional[float]:
-    """Adjusted Rand index of the communities against the planted groups (None without groups)."""
-    if groups is None:
-        return None
-    from sklearn.metrics import adjusted_rand_score
-
-    return float(adjusted_rand_score(np.asarray(groups), np.asarray(labels)))
 
 
 def compress_counts(values: Sequence[int]) -> str:
@@ -471,10 +463,10 @@ def _fmt(x, digits: int = 3) -> str:
 
 def _final_accuracy(view: RunView) -> str:
     """The final accuracies: from summary.json, or, for partial runs, the last evaluation seen."""
-    s = view.run.summary
-    if s:
-        return (f"consensus {_fmt(s.get('consensus_test_acc'))}; ranks mean {_fmt(s.get('mean_rank_acc'))}, "
-                f"best {_fmt(s.get('best_rank_acc'))}, worst {_fmt(s.get('worst_rank_acc'))}")
+    s = view.run.record
+    if s is not None:
+        return (f"consensus {_fmt(s.consensus_test_acc)}; ranks mean {_fmt(s.mean_rank_acc)}, "
+                f"best {_fmt(s.best_rank_acc)}, worst {_fmt(s.worst_rank_acc)}")
     parts = []
     if view.consensus_acc.size:
         parts.append(f"consensus {_fmt(float(view.consensus_acc[-1]))} (t={int(view.consensus_t[-1])})")
@@ -488,7 +480,7 @@ def _final_accuracy(view: RunView) -> str:
 
 def summary_text(view: RunView) -> str:
     """The terminal summary of one run: what a user wants to know before opening the report."""
-    meta, s = view.run.meta, view.run.summary
+    meta, s = view.run.meta, view.run.record
     status = str(meta.get("status", "?"))
     lines = [f"== {view.label}: {view.path}"]
     head = f"status {status}, {view.n} ranks"
@@ -509,12 +501,10 @@ def summary_text(view: RunView) -> str:
     lines.append(f"final accuracy: {_final_accuracy(view)}")
     if s is None:
         lines.append("consensus: unknown (the run has no summary.json yet)")
-    elif s.get("consensus_reached_t") is not None:
-        disp = _fmt(s.get("final_dispersion"), 4)
-        lines.append(f"consensus reached at t={s['consensus_reached_t']} (final dispersion {disp})")
+    elif s.consensus_reached_t is not None:
+        lines.append(f"consensus reached at t={s.consensus_reached_t} (final dispersion {_fmt(s.final_dispersion, 4)})")
     else:
-        disp = _fmt(s.get("final_dispersion"), 4)
-        lines.append(f"consensus not reached (final dispersion {disp}, {s.get('units', '?')} units)")
+        lines.append(f"consensus not reached (final dispersion {_fmt(s.final_dispersion, 4)}, {s.units} units)")
     return "\n".join(lines)
 
 

@@ -1,22 +1,27 @@
-"""The pairwise exchange as the engine performs it: Sendrecv of the flat buffer, then merge.
+"""How two partners combine their weights: swap headers, then the weights, merged by the rule.
 
-Kept as one function so the engine and ``communities bench exchange`` run the
-same code. ``swap_and_merge_chunked`` is the same exchange one cache-sized
-chunk at a time, with the distance and the merge fused (bitwise the same
-merged weights, no P-sized temporary or receive buffer).
+``PairExchange`` is what the engine's mixers run for every pairwise exchange,
+and what ``communities bench exchange`` times: a header Sendrecv (so both sides
+decide the same way what to do with the weights that follow), then the weights
+in cache-sized chunks with the distance and the merge fused
+(``swap_and_merge_chunked``: bitwise the merged weights of one whole-buffer
+``lerp_``, no P-sized temporary or receive buffer).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
-from . import merge
-from .comm import World
+from ..core import merge
+from ..results import Event
+from ..runtime.comm import Tag, World
 
 
-def swap_and_merge(world: World, flat: torch.Tensor, recv: torch.Tensor, peer: int, a: float, tag: int = 2,
+def swap_and_merge(world: World, flat: torch.Tensor, recv: torch.Tensor, peer: int, a: float, tag: int = Tag.WEIGHTS,
                    distance: bool = True) -> float:
     """Exchange ``flat`` with ``peer`` into ``recv`` and merge in place; returns ||w_mine - w_peer|| (or nan)."""
     world.sendrecv(flat, recv, peer, tag=tag)
@@ -78,7 +83,7 @@ class ChunkBuffers:
 
 
 def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers,
-                           tag: int = 2, distance: bool = True) -> float:
+                           tag: int = Tag.WEIGHTS, distance: bool = True) -> float:
     """``swap_and_merge`` one 1 MiB chunk at a time: Sendrecv a chunk, merge it while it is in cache.
 
     A whole-buffer Sendrecv followed by a merge streams the weights through
@@ -104,3 +109,72 @@ def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float
         else:
             merge.interpolate_(f, r, a)
     return math.sqrt(total) if distance else float("nan")
+
+
+@dataclass(frozen=True)
+class Header:
+    """What partners swap before their weights (five float64 numbers, no pickle)."""
+
+    samples: float  # examples trained on so far (merge.rule: clock)
+    loss: float  # the last unit's training loss (merge.rule: loss)
+    size: int  # weights held: partners must hold the same model
+    has_state: bool  # holds optimizer moments to average (merge.optimizer_state: average)
+    diverged: bool  # never merge a diverged rank into a partner
+
+    def to_array(self) -> np.ndarray:
+        return np.array([self.samples, self.loss, float(self.size), float(self.has_state), float(self.diverged)],
+                        dtype=np.float64)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> "Header":
+        return cls(float(a[0]), float(a[1]), int(a[2]), bool(a[3] > 0), bool(a[4]))
+
+
+def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int) -> Tuple[float, Event]:
+    """(a, event): the weight this side gives the partner's weights, and what the exchange does.
+
+    A diverged model is never merged into a healthy one: the healthy side keeps
+    its weights (``skip_diverged``), the diverged side takes its partner's
+    (``reset``) or is left alone (``quarantined``). Both sides reach the same
+    verdict from the same two headers.
+    """
+    if mine.diverged and not other.diverged and diverged_policy == "reset":
+        return 1.0, Event.RESET
+    if mine.diverged:
+        return 0.0, Event.QUARANTINED if diverged_policy == "quarantine" else Event.SKIP_DIVERGED
+    if other.diverged:
+        return 0.0, Event.SKIP_DIVERGED
+    a = merge.coefficient(merge_cfg.rule, merge.Side(mine.samples, mine.loss), merge.Side(other.samples, other.loss),
+                          merge_cfg.alpha, t, merge_cfg.ema)
+    return a, Event.MERGE
+
+
+class PairExchange:
+    """One rank's end of pairwise exchanges: the header swap and the chunked weight swap with merge."""
+
+    def __init__(self, world: World, numel: int, dtype: torch.dtype):
+        self.world, self.numel = world, int(numel)
+        self.buffers = ChunkBuffers(numel, dtype)
+
+    def swap_headers(self, mine: Header, partner: int) -> Header:
+        """Blocking: returns the partner's header (this is where a rank waits for a partner still training)."""
+        other = Header.from_array(self.world.sendrecv_array(mine.to_array(), partner, tag=Tag.HEADER))
+        if other.size != mine.size:
+            raise RuntimeError(f"rank {self.world.rank} holds {mine.size} weights but partner rank {partner} "
+                               f"holds {other.size}: the models differ")
+        return other
+
+    def swap_weights(self, flat: torch.Tensor, partner: int, a: float,
+                     outgoing: Optional[torch.Tensor] = None) -> float:
+        """Swap and merge in place (``flat <- (1-a) flat + a theirs``); returns ||flat - theirs|| before.
+
+        ``outgoing`` replaces what is sent (a simulated Byzantine rank's lie): the
+        whole-buffer path then runs, since the chunked one sends ``flat`` itself.
+        """
+        if outgoing is None:
+            return swap_and_merge_chunked(self.world, flat, partner, a, self.buffers)
+        recv = torch.empty_like(flat)
+        self.world.sendrecv(outgoing, recv, partner, tag=Tag.WEIGHTS)
+        distance = float(torch.dist(flat, recv))
+        merge.interpolate_(flat, recv, a)
+        return distance

@@ -1,6 +1,6 @@
 """The engine's side of data that moves: one rank's shard as an ``ExampleTable`` plus its tensors.
 
-``examples.ExampleTable`` holds the bookkeeping (confidence, status, visited
+``example_table.ExampleTable`` holds the bookkeeping (confidence, status, visited
 sets) as arrays; this class keeps the shard's features and labels aligned with
 its rows, chooses what a unit trains on, evaluates confidence every E units,
 and runs the hard-example hand-over with a partner as buffer Sendrecvs
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import examples, protocol
+from ..core import example_table, protocol
 
 
 class ExampleTracker:
@@ -34,8 +34,8 @@ class ExampleTracker:
         self.x_pool, self.y_pool = x_pool, y_pool  # the shared training pool: rebuilds a shard from its ids
         self.feature_shape = tuple(x_pool.shape[1:])
         self.feature_numel = int(np.prod(self.feature_shape, dtype=np.int64))
-        self.table = examples.ExampleTable(ids, y_pool[ids], self.world, visited=cfg.visited)
-        self.bytes_per_example = examples.example_bytes(self.feature_numel, self.world, cfg.visited)
+        self.table = example_table.ExampleTable(ids, y_pool[ids], self.world, visited=cfg.visited)
+        self.bytes_per_example = example_table.example_bytes(self.feature_numel, self.world, cfg.visited)
         self._load_tensors()
         self.passed_out = self.passed_in = 0
         self.last_step: Dict[str, int] = {}
@@ -54,9 +54,9 @@ class ExampleTracker:
         """Rows to train on in unit t: all of them, or ACTIVE plus a rho-sample of the reserve."""
         if not self.cfg.retire:
             return np.arange(len(self.table), dtype=np.int64)
-        rows = self.table.training_rows(self.cfg.rho, protocol.rng(self.seed, protocol.EX_TRAIN, t, self.rank))
+        rows = self.table.training_rows(self.cfg.rho, protocol.rng(self.seed, protocol.Purpose.EX_TRAIN, t, self.rank))
         if rows.size == 0:  # everything retired or parked: train on the reserve rather than on nothing
-            rows = np.flatnonzero(self.table.status != examples.RETIRED)
+            rows = np.flatnonzero(self.table.status != example_table.RETIRED)
             if rows.size == 0:
                 rows = np.arange(len(self.table), dtype=np.int64)
         return rows
@@ -93,14 +93,14 @@ class ExampleTracker:
             return False
         cfg = self.cfg
         if cfg.retire:
-            rows = self.table.evaluation_rows(cfg.rho, protocol.rng(self.seed, protocol.EX_EVAL, t, self.rank))
+            rows = self.table.evaluation_rows(cfg.rho, protocol.rng(self.seed, protocol.Purpose.EX_EVAL, t, self.rank))
         else:
             rows = np.arange(len(self.table), dtype=np.int64)
         if rows.size:
             self.table.update_confidence(rows, self.p_true(model, rows), 1.0 - cfg.ema)
         if cfg.retire:
             self.last_step = self.table.step_retirement(cfg.tau_retire, cfg.patience, cfg.reserve_rounds, cfg.rho,
-                                                        protocol.rng(self.seed, protocol.EX_STEP, t, self.rank))
+                                                        protocol.rng(self.seed, protocol.Purpose.EX_STEP, t, self.rank))
         return True
 
     # ------------------------------------------------------------------ hard-example passing
@@ -108,7 +108,7 @@ class ExampleTracker:
     def pass_count(self, partner: int, distance_factor: float) -> int:
         """How many rows this side offers ``partner``: fraction, count and byte caps, scaled by the policy."""
         cfg, table = self.cfg, self.table
-        candidates = int(((table.status == examples.ACTIVE) & np.isfinite(table.confidence)).sum())
+        candidates = int(((table.status == example_table.ACTIVE) & np.isfinite(table.confidence)).sum())
         n = math.floor(cfg.pass_fraction * candidates * distance_factor)
         if cfg.pass_count is not None:
             n = min(n, int(math.floor(cfg.pass_count * distance_factor)))
@@ -132,7 +132,7 @@ class ExampleTracker:
         rf = world.sendrecv_array(floats, partner, tag=6)
         ri = world.sendrecv_array(ints, partner, tag=7)
         try:
-            x_in, _, incoming = examples.unpack(rf, ri, self.feature_shape, self.world, cfg.visited,
+            x_in, _, incoming = example_table.unpack(rf, ri, self.feature_shape, self.world, cfg.visited,
                                                 n_total=len(self.x_pool), n_classes=self.n_classes)
         except ValueError as exc:
             raise RuntimeError(f"rank {self.rank}: bad example packet from rank {partner}: {exc}") from exc

@@ -32,8 +32,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-EXIT_USER = 2
-PACKAGE_DIR = Path(__file__).resolve().parent
+from ..errors import EXIT_USER
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # communities/
 # the package's link to launch/slurm.sbatch, then the file itself in a source checkout
 TEMPLATE_PATHS = (PACKAGE_DIR / "templates" / "slurm.sbatch", PACKAGE_DIR.parent / "launch" / "slurm.sbatch")
 SBATCH_OPTIONS = ("job-name", "nodes", "ntasks-per-node", "cpus-per-task", "time", "partition", "account", "output")
@@ -160,7 +161,7 @@ def _positive(name: str, value: Optional[int]) -> None:
 
 
 def _has_run(run_dir: Path) -> bool:
-    from .results import LAUNCHER_FILES
+    from ..results import LAUNCHER_FILES
 
     if not run_dir.is_dir():
         return False
@@ -169,7 +170,7 @@ def _has_run(run_dir: Path) -> bool:
 
 def generate(args: argparse.Namespace) -> Tuple[Path, Path]:
     """Validate, render and write the script; return (script, run directory)."""
-    from .config import ConfigError, load
+    from ..config import ConfigError, load
 
     cfg = load(args.config, args.overrides)
     workdir = Path.cwd()
@@ -252,7 +253,7 @@ def main_slurm(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
     args.argv = argv
-    from .config import ConfigError
+    from ..config import ConfigError
 
     try:
         path, run_dir = generate(args)

@@ -4,7 +4,7 @@ Why: the inspection tool (and anything else that reads ``results/<name>/``) must
 testable and timeable without MPI, torch or a real training run. ``make_run`` imports
 only what the package itself needs (numpy, scipy, scikit-learn, ``communities``), never
 pytest or test helpers: it makes the input of ``communities bench inspect`` as well as
-of the tests (``tests/synthetic_run.py`` re-exports it). It writes, through
+of the tests (``tests/helpers/synthetic_run.py`` re-exports it). It writes, through
 ``communities.results.RunWriter``, every file of docs/results-layout.md with made-up
 but structured content:
 
@@ -20,7 +20,7 @@ but structured content:
 ``meta.json`` status ``running``, torn last lines in the JSONL files and a
 half-built hidden ``rounds/.round_NNNN.xxxx`` directory.
 
-Run as a module to make one: ``python -m communities.synthetic /tmp/run64 --ranks 64 --rounds 50``.
+Run as a module to make one: ``python -m communities.tools.synthetic /tmp/run64 --ranks 64 --rounds 50``.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 from scipy.cluster.hierarchy import fcluster, linkage
 
-from .results import RunWriter
+from ..core.clustering import adjusted_rand
+from ..results import RunWriter
 
 
 def first_appearance(labels: np.ndarray) -> np.ndarray:
@@ -97,7 +98,7 @@ def make_run(
     partial: bool = False,
 ) -> Path:
     """Write a complete (or, with ``partial``, crashed) run directory at ``root``; return its path."""
-    from .config import from_dict
+    from ..config import from_dict
 
     root = Path(root)
     name = name or root.name
@@ -213,13 +214,9 @@ def make_run(
             Z, labels = np.zeros((0, 4)), np.zeros(1, dtype=np.int64)
         centroid = sig.mean(axis=0)
         disp = float(np.mean(np.sum((sig - centroid) ** 2, axis=1)) / np.mean(np.sum(sig ** 2, axis=1)))
-        ari = None
-        if planted is not None:
-            from sklearn.metrics import adjusted_rand_score
-
-            ari = float(adjusted_rand_score(g, labels))
-            if first_ari is None:
-                first_ari = ari
+        ari = adjusted_rand(labels, g) if planted is not None else None
+        if first_ari is None:
+            first_ari = ari
         counts.append(int(labels.max()) + 1)
         info = {
             "round": r, "t": t_round, "n_communities": int(labels.max()) + 1, "law": law, "k": k,
@@ -251,7 +248,8 @@ def make_run(
     w.write_json("summary.json", {
         "name": name, "strategy": strategy, "world_size": n, "n_params": 4810, "units": units,
         "rounds": n_rounds, "merges": n_merges,
-        "consensus_test_acc": float(min(1.0, last_acc.mean() + 0.01)), "consensus_test_loss": float(1 - last_acc.mean()),
+        "consensus_test_acc": float(min(1.0, last_acc.mean() + 0.01)),
+        "consensus_test_loss": float(1 - last_acc.mean()),
         "rank_test_acc": [float(x) for x in last_acc], "best_rank_acc": float(last_acc.max()),
         "worst_rank_acc": float(last_acc.min()), "mean_rank_acc": float(last_acc.mean()),
         "communities_per_round": counts, "first_round_ari": first_ari, "final_dispersion": disp,

@@ -45,8 +45,9 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-EXIT_USER = 2
+from ..errors import EXIT_USER
+
+ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools/ -> communities/ -> root)
 SPEC_KEYS = {"name", "base", "world_size", "seeds", "target_accuracy", "overrides", "strategies", "launcher",
              "timeout", "description"}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -119,7 +120,7 @@ def _resolve_base(base: str, spec_path: Optional[Path]) -> Path:
 
 
 def load_spec(path: Union[str, Path]) -> Spec:
-    from .config import ConfigError, read_yaml
+    from ..config import ConfigError, read_yaml
 
     path = Path(path)
     try:
@@ -259,7 +260,7 @@ def run_complete(path: Path) -> bool:
 
 def validate(spec: Spec, plans: Sequence[RunPlan]) -> List[str]:
     """Config problems of each planned run (as ``communities validate`` would report them)."""
-    from .config import ConfigError, load
+    from ..config import ConfigError, load
 
     problems = []
     seen = set()
@@ -324,7 +325,7 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _read_jsonl(path: Path) -> List[dict]:
-    from .results import read_jsonl
+    from ..results import read_jsonl
 
     return read_jsonl(path)
 
@@ -336,16 +337,18 @@ def run_curve(path: Path) -> dict:
     when the run's rows carry the field, and ``wall_measured`` says so; a run
     written before the field existed gets the estimate ``wall_time * t / units``.
     """
-    summary = json.loads((path / "summary.json").read_text())
-    units = int(summary["units"])
-    wall = float(summary["wall_time"])
+    from ..results import Summary
+
+    summary = Summary.read(path)
+    units = int(summary.units)
+    wall = float(summary.wall_time)
     evals = sorted(_read_jsonl(path / "consensus.jsonl"), key=lambda r: r["t"])
     points = [(int(r["t"]), float(r["test_acc"])) for r in evals if r.get("test_acc") is not None]
     if not points or points[-1][0] < units:
-        points.append((units, float(summary["consensus_test_acc"])))
+        points.append((units, float(summary.consensus_test_acc)))
     metrics = _read_jsonl(path / "metrics.jsonl")
-    bytes_by_t = _bytes_after_unit(metrics, units, float(summary["bytes_sent_mean"]),
-                                   trains_with_traffic=_sync_gradients(summary.get("strategy")))
+    bytes_by_t = _bytes_after_unit(metrics, units, float(summary.bytes_sent_mean),
+                                   trains_with_traffic=_sync_gradients(summary.strategy))
     wall_by_t = _wall_at_unit(metrics)
     ts = np.array([p[0] for p in points], dtype=np.float64)
     if wall_by_t is not None:
@@ -362,10 +365,9 @@ def run_curve(path: Path) -> dict:
 
 def _sync_gradients(strategy: Optional[str]) -> bool:
     """Whether the engine strategy communicates inside a unit's training (allreduce: a gradient Allreduce per step)."""
-    from .strategies import STRATEGIES
+    from ..config import SYNCS_GRADIENTS
 
-    cls = STRATEGIES.get(str(strategy)) if strategy is not None else None
-    return bool(cls is not None and cls.sync_gradients)
+    return strategy in SYNCS_GRADIENTS
 
 
 def _per_unit(metrics: List[dict], key: str) -> Dict[int, List[float]]:
@@ -464,11 +466,11 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             s = c["summary"]
             tt = time_to_target(c, spec.target_accuracy)
             entry.update(status="complete" if p.status == "pending" else p.status,
-                         consensus_test_acc=s["consensus_test_acc"], best_rank_acc=s["best_rank_acc"],
-                         bytes_sent_mean=s["bytes_sent_mean"], wall_time=s["wall_time"], units=s["units"],
-                         merges=s.get("merges"), target=tt, data_bytes_mean=s.get("data_bytes_mean", 0.0),
-                         monitoring_bytes_mean=s.get("monitoring_bytes_mean", 0.0),
-                         retired_fraction=(s.get("examples") or {}).get("retired_fraction"))
+                         consensus_test_acc=s.consensus_test_acc, best_rank_acc=s.best_rank_acc,
+                         bytes_sent_mean=s.bytes_sent_mean, wall_time=s.wall_time, units=s.units,
+                         merges=s.merges, target=tt, data_bytes_mean=s.data_bytes_mean,
+                         monitoring_bytes_mean=s.monitoring_bytes_mean,
+                         retired_fraction=(s.examples or {}).get("retired_fraction"))
             curves.setdefault(p.arm.label, []).append({"seed": p.seed, **c})
         runs.append(entry)
     for arm in spec.arms:
@@ -614,7 +616,7 @@ def write_plots(agg: dict, out_dir: Path) -> List[Path]:
 
 
 def write_report(spec: Spec, plans: Sequence[RunPlan], results_root: Path) -> dict:
-    from .results import atomic_write_json
+    from ..results import atomic_write_json
 
     out = results_root / spec.name
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,4 @@
+"""Pure math: signatures, clustering, partner laws, schedules, merge rules, protocol lists, robust statistics.
+
+Functions of arrays, testable without MPI; nothing here imports from outside ``core``.
+"""

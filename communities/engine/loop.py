@@ -1,0 +1,200 @@
+"""The per-rank loop: train a unit, mix, and every S units a signature round and the consensus check.
+
+The engine is a set of parts that own their state (``state_dict`` /
+``load_state_dict``), built from their config sections:
+
+- ``replica``: the shard, the model as one flat buffer, the optimizer (replica.py);
+- ``mixer``: who mixes with whom and how, by the strategy's step (mixer.py, strategies.py);
+- ``rounds``: signatures, their gather, the communities (rounds.py);
+- ``consensus``: patience, merge activity, the consensus model (consensus.py);
+- ``log``: the rows that reach rank 0 and the run directory (runlog.py);
+- ``checkpoints``: ``{name: part.state_dict()}`` (checkpoint.py).
+
+``Engine.run`` asks the parts what to do; a round's result is passed on
+explicitly. Decisions that must agree (exchange lists, communities, the stop)
+are computed by every rank from identical inputs.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from ..core.protocol import RunningDigest
+from ..errors import ConfigError, Preempted
+from ..results import Summary, finite_or_none
+from ..runtime import stopflag
+from ..runtime.collective import collective_check, on_every_rank
+from ..runtime.comm import World
+from .checkpoint import Checkpointer
+from .consensus import Consensus, Decision
+from .faults import make_faults
+from .mixer import Mixer
+from .progress import Progress
+from .replica import Replica
+from .rounds import SignatureRounds
+from .run_dir import RunDirectory, describe_partition, now
+from .runlog import RunLog, print_summary
+from .timer import Timer
+
+
+class Engine:
+    """One rank's engine. Build with ``Engine(cfg, world, run_dir, ...)`` (a collective), then ``run()``."""
+
+    def __init__(self, cfg, world: World, run_dir: Path, overwrite: bool = False,
+                 argv: Optional[List[str]] = None, progress: bool = True, resume=False):
+        self.cfg, self.world = cfg, world
+        collective_check(world, lambda: cfg.check_world(world.size))
+        world.set_timeout(cfg.comm.timeout)
+        torch.set_num_threads(cfg.threads or _env_threads())
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        local_rank = world.local_rank if cfg.device != "cpu" else 0  # a collective: before on_every_rank
+        device = on_every_rank(world, lambda: select_device(cfg.device, local_rank))
+        self.timer = Timer()
+        self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
+        self.agreement = RunningDigest()
+        self.replica = Replica.build(cfg, world, device, self.timer, self.faults)
+        self.rounds = SignatureRounds(cfg, world, self.timer, self.replica, self.agreement)
+        self.mixer = Mixer(cfg, world, self.timer, self.replica, self.agreement)
+        self.consensus = Consensus(cfg, world, self.timer, self.replica)
+        self.run_dir = RunDirectory(cfg, world, run_dir)
+        resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
+                                    device, self.replica.flat.numel())
+        self.log = RunLog(cfg, world, self.timer, self.run_dir.writer)
+        self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0)
+        parts = {"replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
+                 "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement,
+                 "faults": self.faults}
+        self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts,
+                                        before_save=self.log.flush, info=self._checkpoint_info)
+        self.t = self.checkpoints.load(resumed) if resumed is not None else 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> Optional[Summary]:
+        """Train until consensus or the budget; rank 0 returns the summary."""
+        self.timer.start()
+        previous_handlers = stopflag.install()
+        try:
+            for t in range(self.t + 1, self.cfg.train.budget + 1):
+                self.t = t
+                if self._unit(t):
+                    break
+            if self.cfg.checkpoint.at_end:
+                self.checkpoints.save(self.t, final=True)
+            summary = self._finish()
+        except Preempted:
+            # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
+            # they are exiting, and they must still exit 75 rather than die of the signal.
+            raise
+        else:
+            stopflag.restore(previous_handlers)
+            return summary
+        finally:
+            self.progress.close()
+
+    def _unit(self, t: int) -> bool:
+        """Unit t of virtual time; True when the run ends here (consensus reached)."""
+        self.world.watchdog.context = f"t={t}"
+        self.log.unit(self.replica.train_unit(t, self.mixer.grad_sync, self.mixer.unit_steps))
+        self.consensus.record(self.log.merges(self.mixer.mix(t)))
+        decision = self._round(t) if self.rounds.due(t) else None
+        self.log.consensus(self.consensus.evaluate_due(t))
+        self.progress.update(t, self.rounds.counts[-1] if self.rounds.counts else None, self.rounds.last_dispersion,
+                             self.replica.test_acc, self.replica.recent_loss)
+        if decision is not None and decision.stop:  # identical on every rank: a pending stop signal is moot
+            return True
+        # Polled at signature rounds only, so that between rounds a slow rank delays its partners alone.
+        if self.rounds.due(t) and self._stop_requested():
+            self.checkpoints.save(t)
+            self._preempt(t)
+        if self.checkpoints.due(t):
+            self.checkpoints.save(t)
+        return False
+
+    def _round(self, t: int) -> Optional[Decision]:
+        """A signature round: new communities for the mixer, a verdict from the consensus, a round in the log."""
+        rnd = self.rounds.run(t)
+        decision = None
+        if rnd is not None:
+            self.mixer.observe(rnd)
+            decision = self.consensus.observe(rnd, self.mixer.annealed(t))
+        self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker)
+        return decision
+
+    # ------------------------------------------------------------------ stop and finish
+
+    def _stop_requested(self) -> bool:
+        """One tiny Allreduce: stop if any rank got a signal (``stopflag``) or rank 0 sees ``RUN_DIR/STOP``."""
+        local = stopflag.requested() or self.run_dir.stop_file_present()
+        with self.timer("idle"):
+            return self.world.allreduce_scalar(float(local), "max") > 0
+
+    def _preempt(self, t: int) -> None:
+        self.run_dir.interrupted(t)
+        # No rank exits before rank 0 has committed: srun --kill-on-bad-exit would otherwise kill rank 0
+        # mid-commit when the first rank exits 75.
+        with self.world.watchdog.waiting("Barrier before exiting on a stop (rank 0 commits the checkpoint)"):
+            self.world.barrier()
+        raise Preempted(f"stopped at t={t}")
+
+    def _checkpoint_info(self) -> dict:
+        com = self.mixer.strategy.communities
+        return {"round": self.rounds.index, "time": now(),
+                "communities": com.labels.tolist() if com is not None else None}
+
+    def _finish(self) -> Optional[Summary]:
+        """The consensus model, evaluated and saved, and the summary (rank 0 returns it)."""
+        cfg, replica = self.cfg, self.replica
+        self.rounds.drain()
+        self.log.flush()
+        with self.world.monitoring():
+            mean = self.consensus.model()
+        with self.timer("eval"):
+            acc, loss = replica.evaluate(mean)
+        distance = float(torch.dist(replica.flat, mean) / max(float(mean.norm()), 1e-12))
+        run = {"name": cfg.name, "strategy": cfg.strategy, "world_size": self.world.size,
+               "n_params": int(replica.flat.numel()), "units": self.t, "rounds": self.rounds.index,
+               "consensus_test_acc": acc, "consensus_test_loss": loss,
+               "communities_per_round": self.rounds.counts, "first_round_ari": self.rounds.first_ari,
+               "final_dispersion": finite_or_none(self.rounds.last_dispersion),
+               "consensus_reached_t": self.consensus.reached_t}
+        model = replica.state_dict_of(mean) if self.world.rank == 0 else None
+        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker)
+        self.run_dir.complete()
+        return summary
+
+
+def select_device(device: str, local_rank: int) -> torch.device:
+    """``cpu``, ``cuda`` (an error where torch sees no GPU) or ``auto``: GPU ``local_rank % count`` if any."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if device == "cuda":
+            raise ConfigError(f"device='cuda' but torch {torch.__version__} sees no CUDA device on host "
+                              f"{platform.node()}")
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def _env_threads() -> int:
+    """Threads per rank when the config leaves ``threads`` unset: OMP_NUM_THREADS (SLURM's --cpus-per-task)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def run(cfg, world: World, overwrite: bool = False, argv=None, progress: bool = True, resume=False
+        ) -> Optional[Summary]:
+    """Run one training job on this rank; rank 0 returns the summary."""
+    run_dir = Path(cfg.output.root) / cfg.name
+    engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress, resume=resume)
+    if world.rank == 0 and engine.run_dir.resumed_from is not None:
+        print(f"communities: resuming {run_dir} from {engine.run_dir.resumed_from.name} (t={engine.t})", flush=True)
+    summary = engine.run()
+    if summary is not None:
+        print_summary(summary, run_dir)
+    return summary

@@ -1,0 +1,175 @@
+"""The mixer: who mixes with whom, and how, under the virtual-clock protocol.
+
+Each unit the strategy (``strategies.py``) takes its mixing step through the
+mixer: pairwise exchanges in the order of the unit's exchange list, a global
+average, or (``allreduce``) a gradient Allreduce inside training. The mixer
+owns how bytes are combined: the header and weight swap (``PairExchange``), the
+merge rule and what travels with it (optimizer moments, the record of which
+shards a model has seen, hard examples), the DiLoCo outer step, and the merge
+events it returns for the run log and the consensus.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from ..core import merge, partners
+from ..core.partners import Law
+from ..core.protocol import RunningDigest
+from ..results import Event, MergeRow
+from ..runtime.comm import Tag, World
+from . import strategies
+from .example_tracker import distance_factor
+from .exchange import Header, PairExchange, decide
+from .replica import Replica
+from .rounds import RoundResult
+from .timer import Timer
+
+
+class Mixer:
+    """The virtual-clock mixer of one rank (the default ``protocol``)."""
+
+    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest):
+        self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
+        self.rank, self.n = world.rank, world.size
+        self.strategy = strategies.make(cfg, self.n)
+        self.pair = PairExchange(world, replica.flat.numel(), replica.flat.dtype)
+        # merge.partner_policy=least_recent: the last unit the model now here trained on each rank's shard
+        self.seen_at = np.full(self.n, -1, dtype=np.int64)
+        self.excluded = np.zeros(self.n, dtype=bool)  # robust outliers of the latest round: no exchanges
+        self._events: List[MergeRow] = []
+        self.strategy.prepare(self)
+
+    # ------------------------------------------------------------------ what the loop asks
+
+    def mix(self, t: int) -> List[MergeRow]:
+        """Unit t's mixing step (every rank trained unit t); returns this rank's merge events."""
+        self.seen_at[self.rank] = t
+        self.strategy.mix(t, self)
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def grad_sync(self):
+        return self.strategy.grad_sync
+
+    @property
+    def unit_steps(self) -> Optional[int]:
+        return self.strategy.unit_steps
+
+    def observe(self, rnd: RoundResult) -> None:
+        """A new signature round: its communities set the partner law, its outliers are left out."""
+        self.excluded = rnd.outliers
+        self.replica.outlier = bool(rnd.outliers[self.rank])
+        self.strategy.observe(rnd.communities, self, rnd.t)
+
+    def law(self, t: int) -> Optional[Law]:
+        return self.strategy.law(t)
+
+    def annealed(self, t: int) -> bool:
+        return self.strategy.annealed(t)
+
+    # ------------------------------------------------------------------ how: pairwise
+
+    def exchange(self, t: int, partner: int, initiator: int) -> None:
+        """Swap weights with ``partner`` and apply the merge rule on both sides."""
+        cfg, r = self.cfg, self.replica
+        mc = cfg.merge
+        has_state = bool(r.opt.state) if mc.optimizer_state == "average" else False
+        mine = Header(r.samples, r.recent_loss, r.flat.numel(), has_state, r.diverged)
+        sent0 = self.world.bytes_sent
+        with self.timer("idle"):  # the partner may still be training: this is where we wait for it
+            other = self.pair.swap_headers(mine, partner)
+        with self.timer("exchange"):
+            a, event = decide(mine, other, mc, cfg.robust.diverged, t)
+            before = r.flat.clone() if r.outer is not None and event == Event.MERGE else None
+            distance = self.pair.swap_weights(r.flat, partner, a,
+                                              outgoing=r.outgoing() if r.faults.hostile else None)
+            if before is not None:
+                r.outer.step_(before, r.flat)
+                update = float(torch.dist(r.flat, before))
+            else:
+                update = a * distance if a else 0.0
+            if event == Event.MERGE:
+                self._merge_optimizer_state(partner, a, has_state and other.has_state)
+            if mc.partner_policy == "least_recent":
+                self._swap_seen_at(partner, a)
+            if event == Event.MERGE and r.tracker is not None and cfg.examples.pass_hard:
+                with self.world.metered("data"):
+                    r.tracker.exchange(self.world, partner, self._pass_factor(partner))
+            if event == Event.RESET:
+                r.opt.state.clear()  # moments of a diverged model are as bad as its weights
+                r.diverged = False
+        self._events.append(MergeRow(t, self.rank, partner, initiator, a, update, distance,
+                                     self.world.bytes_sent - sent0, int(event)))
+
+    def _merge_optimizer_state(self, partner: int, a: float, both_have_state: bool) -> None:
+        r, mode = self.replica, self.cfg.merge.optimizer_state
+        if mode == "reset":
+            r.opt.state.clear()
+        elif mode == "average" and both_have_state:
+            tensors = [v for p in r.model.parameters() for k, v in sorted(r.opt.state[p].items())
+                       if torch.is_tensor(v) and v.is_floating_point() and v.numel() == p.numel()]
+            if not tensors:
+                return
+            flat = torch.cat([v.reshape(-1) for v in tensors])
+            theirs = torch.empty_like(flat)
+            self.world.sendrecv(flat, theirs, partner, tag=Tag.OPTIMIZER)
+            merge.interpolate_(flat, theirs, a)
+            offset = 0
+            for v in tensors:
+                v.copy_(flat[offset: offset + v.numel()].view_as(v))
+                offset += v.numel()
+
+    def _swap_seen_at(self, partner: int, a: float) -> None:
+        """The record of which shards the model has seen travels with the model."""
+        seen = self.world.sendrecv_array(self.seen_at, partner, tag=Tag.SEEN_AT)
+        if a >= 1.0:
+            self.seen_at = seen  # the partner's model is now this rank's
+        elif a > 0.0:
+            self.seen_at = np.maximum(self.seen_at, seen)
+
+    def _pass_factor(self, partner: int) -> float:
+        """examples.pass_similarity: the pair's signature distance against the latest round's median."""
+        com, policy = self.strategy.communities, self.cfg.examples.pass_similarity
+        if policy == "none" or com is None or com.distances.size == 0:
+            return 1.0
+        d = partners.condensed_row(com.distances, self.n, self.rank)[partner]
+        return distance_factor(policy, float(d), float(np.median(com.distances)))
+
+    # ------------------------------------------------------------------ how: global
+
+    def average(self, t: int) -> None:
+        """local_sgd: every rank takes the Allreduce mean; diloco: an outer step on the mean's pseudo-gradient."""
+        r = self.replica
+        sent0 = self.world.bytes_sent
+        with self.timer("exchange"):
+            before = r.flat.clone()
+            mean = r.masked_mean()
+            if r.anchor is not None:
+                r.outer.step_(r.anchor, mean)  # mean <- anchor - lr * nesterov(anchor - mean)
+                r.anchor.copy_(mean)
+            event = Event.AVERAGE
+            if r.diverged and self.cfg.robust.diverged == "quarantine":
+                event = Event.QUARANTINED
+            else:
+                if r.diverged:
+                    r.opt.state.clear()
+                    r.diverged, event = False, Event.RESET
+                r.flat.copy_(mean)
+            update = float(torch.dist(r.flat, before))
+        self._events.append(MergeRow(t, self.rank, -1, -1, 1.0, update, float("nan"), self.world.bytes_sent - sent0,
+                                     int(event)))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        return {"strategy": self.strategy.state_dict(), "seen_at": torch.from_numpy(self.seen_at.copy()),
+                "excluded": torch.from_numpy(self.excluded.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.strategy.load_state_dict(state["strategy"])
+        self.seen_at = state["seen_at"].numpy().copy()
+        self.excluded = state["excluded"].numpy().copy()

@@ -1,0 +1,208 @@
+"""One rank's replica: its shard, its model as one flat buffer, its optimizer, and its training progress.
+
+The flat buffer *is* the model (``models.flatten_``): an exchange sends it as
+one buffer and a merge is one ``lerp_`` over it. Everything a later unit
+depends on (weights, optimizer moments, torch's RNG for dropout, the example
+table) is in ``state_dict``, so a resumed run continues bit for bit.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+
+from ..core import merge, protocol, robust
+from ..errors import ConfigError
+from ..results import MetricRow
+from ..runtime.collective import on_every_rank
+from ..runtime.comm import World
+from ..workload import data, models, train
+from .example_tracker import ExampleTracker
+from .faults import NoFaults
+from .timer import Timer
+
+
+class Replica:
+    """This rank's model and data. Build with ``Replica.build`` (a collective: every rank calls it)."""
+
+    def __init__(self, cfg, world: World, device: torch.device, timer: Timer, faults: NoFaults):
+        self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
+        self.rank = world.rank
+        # training progress, what a partner is told at an exchange and what the summary reports
+        self.samples = 0
+        self.recent_loss = float("nan")
+        self.first_loss = float("nan")
+        self.test_acc = float("nan")
+        self.test_loss = float("nan")
+        self.diverged = False
+        self.outlier = False  # robust.enabled: the latest round left this rank out
+        self.outer: Optional[merge.OuterOptimizer] = None
+        self.anchor: Optional[torch.Tensor] = None  # diloco: the weights all ranks held after the last global step
+
+    @classmethod
+    def build(cls, cfg, world: World, device: torch.device, timer: Timer, faults: NoFaults) -> "Replica":
+        """Load the data, partition it, build the model and share rank 0's initial weights."""
+        self = cls(cfg, world, device, timer, faults)
+        on_every_rank(world, self._load_data)
+        model, flat, n_params = on_every_rank(world, self._build_model)
+        shapes = models.shape_signature(model)
+        world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
+                    f"model parameter shapes and dtypes (this rank: {len(flat)} values)")
+        if cfg.model.init == "shared":
+            world.bcast_(flat, root=0)
+        torch.manual_seed(cfg.seed * 104729 + self.rank)  # dropout and other stochastic layers
+        self.model, self.flat, self.n_params = model, flat, n_params
+        self.opt = train.make_optimizer(cfg.train, model.parameters())
+        return self
+
+    def _load_data(self) -> None:
+        cfg, device = self.cfg, self.device
+        # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
+        ds = data.load(cfg.data, cfg.seed)
+        shards = data.partition(ds.y_train, self.world.size, cfg.data.partition, cfg.seed, cfg.data.alpha,
+                                cfg.data.groups, cfg.data.purity)
+        self.dataset, self.shards = ds, shards
+        self.shard = shards[self.rank]
+        idx = torch.as_tensor(self.shard.indices)
+        self.x = torch.as_tensor(ds.x_train)[idx].to(device)
+        self.y = torch.as_tensor(ds.y_train)[idx].to(device)
+        self.x_test = torch.as_tensor(ds.x_test).to(device)
+        self.y_test = torch.as_tensor(ds.y_test).to(device)
+        self.tracker: Optional[ExampleTracker] = None
+        if cfg.examples.track:
+            self.tracker = ExampleTracker(cfg.examples, np.asarray(self.shard.indices, dtype=np.int64), ds.x_train,
+                                          ds.y_train, self.world.size, self.rank, cfg.seed, device, ds.n_classes)
+        if cfg.signature.kind in ("logits", "cka") and cfg.signature.probe_size > len(ds.y_train):
+            raise ConfigError(f"signature.probe_size={cfg.signature.probe_size} exceeds the "
+                              f"{len(ds.y_train)} training examples")
+
+    def _build_model(self):
+        cfg = self.cfg
+        torch.manual_seed(models.init_seed(cfg.seed, self.rank, cfg.model.init))
+        model = models.build(cfg.model, self.dataset.input_shape, self.dataset.n_classes).to(self.device)
+        models.check_output(model, self.x_test[:4], self.dataset.n_classes, cfg.model.name)
+        flat, n_params = models.flatten_(model)
+        return model, flat, n_params
+
+    @property
+    def groups(self) -> Optional[List[int]]:
+        """The planted group of every rank (data.partition: label_groups), else None."""
+        return None if self.shard.group is None else [int(s.group) for s in self.shards]
+
+    def enable_outer(self, outer_cfg, anchor: bool = False) -> None:
+        """An outer optimizer on merges (merge.outer) or on global averages (diloco, with an anchor)."""
+        if self.outer is None:
+            self.outer = merge.OuterOptimizer(self.flat.numel(), outer_cfg.lr, outer_cfg.momentum,
+                                              outer_cfg.nesterov, self.device, self.flat.dtype)
+        if anchor and self.anchor is None:
+            self.anchor = self.flat.clone()
+
+    # ------------------------------------------------------------------ training
+
+    def train_unit(self, t: int, grad_sync: Optional[Callable[[], None]] = None,
+                   steps: Optional[int] = None) -> MetricRow:
+        """Train unit t on the shard, check for divergence, evaluate when due; returns the unit's metrics row."""
+        cfg = self.cfg
+        with self.timer("train"):
+            x, y, rows = self.x, self.y, None
+            if self.tracker is not None:
+                rows = self.tracker.training_rows(t)
+                x, y = self.tracker.view(rows)
+            res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
+                                   grad_sync=grad_sync)
+            if rows is not None:
+                self.tracker.trained(rows)
+            self.faults.during_unit(t)
+        self.faults.after_unit(t, self.flat)
+        self.samples += res.samples
+        self.recent_loss = res.loss
+        if t == 1 or not math.isfinite(self.first_loss):
+            self.first_loss = res.loss
+        if not self.diverged and robust.is_diverged(float(self.flat.sum()), res.loss, self.first_loss,
+                                                    cfg.robust.loss_factor):
+            self.diverged = True
+            print(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be merged "
+                  f"into partners ({cfg.robust.diverged})", file=sys.stderr, flush=True)
+        if self.tracker is not None:
+            with self.timer("eval"):
+                self.tracker.maybe_evaluate(self.model, t)
+        test_acc = test_loss = float("nan")
+        if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
+            with self.timer("eval"):
+                test_acc, test_loss = train.evaluate(self.model, self.x_test, self.y_test)
+            self.test_acc, self.test_loss = test_acc, test_loss
+        return MetricRow(t, res.loss, res.accuracy, test_acc, test_loss, self.samples, self.world.bytes_sent,
+                         self.timer.elapsed())
+
+    def evaluate(self, flat: Optional[torch.Tensor] = None):
+        """(accuracy, loss) on the shared test split, of these weights (default: this rank's own)."""
+        if flat is None:
+            return train.evaluate(self.model, self.x_test, self.y_test)
+        saved = self.flat.clone()
+        self.flat.copy_(flat)
+        try:
+            return train.evaluate(self.model, self.x_test, self.y_test)
+        finally:
+            self.flat.copy_(saved)
+
+    def state_dict_of(self, flat: torch.Tensor) -> dict:
+        """The model's ``state_dict`` (CPU copies) with ``flat`` as its weights."""
+        saved = self.flat.clone()
+        self.flat.copy_(flat)
+        try:
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        finally:
+            self.flat.copy_(saved)
+
+    # ------------------------------------------------------------------ averages
+
+    @property
+    def keep(self) -> bool:
+        """Whether this rank's weights count in averages and the consensus model."""
+        return not (self.outlier or self.diverged)
+
+    def outgoing(self) -> torch.Tensor:
+        """What this rank shows others: its weights, or an injected Byzantine lie."""
+        return self.faults.outgoing(self.flat)
+
+    def masked_mean(self) -> torch.Tensor:
+        """Allreduce mean over the ranks that ``keep``; equals the plain mean (bit for bit) when all do."""
+        keep = self.keep
+        mean = self.outgoing().clone() if keep else torch.zeros_like(self.flat)
+        self.world.allreduce_sum_(mean)
+        count = self.world.allreduce_scalar(float(keep))
+        return mean.div_(count if count > 0 else self.world.size)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        return {
+            "flat": self.flat.detach().cpu().clone(), "optimizer": self.opt.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "outer_m": self.outer.m.detach().cpu().clone() if self.outer is not None else None,
+            "anchor": self.anchor.detach().cpu().clone() if self.anchor is not None else None,
+            "samples": self.samples, "recent_loss": self.recent_loss, "first_loss": self.first_loss,
+            "test_acc": self.test_acc, "test_loss": self.test_loss, "diverged": self.diverged,
+            "outlier": self.outlier,
+            "examples": None if self.tracker is None else self.tracker.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["flat"].numel() != self.flat.numel():
+            raise ValueError(f"it holds {state['flat'].numel()} weights; this model has {self.flat.numel()}")
+        self.flat.copy_(state["flat"].to(self.flat.device))
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.outer is not None:
+            self.outer.m.copy_(state["outer_m"].to(self.outer.m.device))
+        if self.anchor is not None:
+            self.anchor.copy_(state["anchor"].to(self.anchor.device))
+        for key in ("samples", "recent_loss", "first_loss", "test_acc", "test_loss", "diverged", "outlier"):
+            setattr(self, key, state[key])
+        if self.tracker is not None:
+            if state["examples"] is None:
+                raise ValueError("it has no example table, but examples.track is on")
+            self.tracker.load_state_dict(state["examples"])

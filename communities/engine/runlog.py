@@ -1,0 +1,194 @@
+"""The run log: every rank's metric and merge rows reach rank 0, which writes the run directory.
+
+Rows are typed records (``results.MetricRow``, ``results.MergeRow``) kept on
+each rank and gathered to rank 0 as float64 blocks at every signature round, at
+checkpoints and at the end (no pickle, no per-unit collective). Rank 0 alone
+writes ``metrics.jsonl``, ``merges.jsonl``, ``consensus.jsonl``,
+``examples.jsonl``, ``rounds/`` and ``summary.json``.
+"""
+from __future__ import annotations
+
+import io
+from itertools import groupby
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from ..core.partners import Law
+from ..results import Event, MergeRow, MetricRow, RunWriter, Summary, atomic_write_bytes, finite_or_none
+from ..runtime.comm import World
+from .consensus import Decision
+from .example_tracker import ExampleTracker
+from .rounds import RoundResult
+from .timer import Timer
+
+
+class RunLog:
+    """One rank's log buffer; on rank 0 also the writer of the run directory."""
+
+    def __init__(self, cfg, world: World, timer: Timer, writer: Optional[RunWriter]):
+        self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
+        self.rank = world.rank
+        self.metric_rows: List[MetricRow] = []
+        self.merge_rows: List[MergeRow] = []
+        self.merges_logged = 0  # rank 0: pairwise merges written (counted once, at the initiator)
+
+    def unit(self, row: MetricRow) -> None:
+        self.metric_rows.append(row)
+
+    def merges(self, rows: List[MergeRow]) -> List[MergeRow]:
+        self.merge_rows.extend(rows)
+        return rows
+
+    def consensus(self, row: Optional[dict]) -> None:
+        """A consensus-model evaluation (rank 0 writes it; the others hold the same figures)."""
+        if row is not None and self.writer is not None:
+            self.writer.append_jsonl("consensus.jsonl", [row])
+
+    def round(self, rnd: Optional[RoundResult], law: Optional[Law], decision: Optional[Decision],
+              agreement: bytes, tracker: Optional[ExampleTracker]) -> None:
+        """At a signature round: gather the rows, write the round, log the example tables."""
+        self.flush()
+        if rnd is None:
+            return
+        if self.writer is not None:
+            cc = self.cfg.clustering
+            com = rnd.communities
+            info = {
+                "round": rnd.index, "t": rnd.t, "n_communities": com.count,
+                "law": law.kind if law is not None else None, "k": rnd.k,
+                "p_cross": law.p_cross if law is not None and law.kind == "flat" else None,
+                "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
+                "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
+                "dispersion": finite_or_none(rnd.dispersion), "mean_update_norm": decision.update,
+                "relative_update": decision.relative_update, "ari": rnd.ari, "hash": agreement.hex(),
+                "outliers": np.flatnonzero(rnd.outliers).tolist() if self.cfg.robust.enabled else None,
+            }
+            self.writer.write_round(rnd.index, rnd.signatures.astype(np.float32), com.Z, com.labels, info)
+        if tracker is not None:
+            self._examples(rnd.index, rnd.t, tracker)
+
+    def flush(self) -> None:
+        """Gather the buffered rows of every rank to rank 0, which appends them (a collective)."""
+        with self.timer("idle"):
+            metrics = self.world.gather_rows(self._block(self.metric_rows, MetricRow))
+            merges = self.world.gather_rows(self._block(self.merge_rows, MergeRow))
+        self.metric_rows, self.merge_rows = [], []
+        if self.writer is None:
+            return
+        rows = [MetricRow.from_row(m).to_json(r) for r, block in enumerate(metrics) for m in block]
+        rows.sort(key=lambda d: (d["t"], d["rank"]))
+        self.writer.append_jsonl("metrics.jsonl", rows)
+        events = [MergeRow.from_row(m) for block in merges for m in block]
+        mrows = [e.to_json(self.cfg.merge.rule if e.event == Event.MERGE else self.cfg.strategy) for e in events]
+        mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
+        self.writer.append_jsonl("merges.jsonl", mrows)
+        self.merges_logged += sum(1 for m in mrows if m["i"] == m["initiator"] and m["event"] == "merge")
+
+    @staticmethod
+    def _block(rows, record) -> np.ndarray:
+        return np.array([r.to_row() for r in rows], dtype=np.float64).reshape(-1, record.width())
+
+    def _examples(self, index: int, t: int, tracker: ExampleTracker) -> None:
+        """examples.jsonl: one line per rank per signature round (counts, passes, confidence quantiles)."""
+        row = np.concatenate([[t, self.world.bytes_data], tracker.stats()]).reshape(1, -1)
+        with self.timer("idle"):
+            rows = self.world.gather_rows(row)
+        if self.writer is None:
+            return
+        fields = ("t", "data_bytes") + ExampleTracker.STATS_FIELDS
+        out = []
+        for r, block in enumerate(rows):
+            d = {"rank": r, "round": index}
+            for key, v in zip(fields, block[0]):
+                d[key] = finite_or_none(v) if key.startswith("q") else int(v)
+            out.append(d)
+        self.writer.append_jsonl("examples.jsonl", out)
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
+               tracker: Optional[ExampleTracker]) -> Optional[Summary]:
+        """Gather every rank's final figures; rank 0 writes ``consensus.pt`` and ``summary.json`` and returns it.
+
+        ``run`` holds the figures every rank shares (name, units, rounds, the
+        consensus model's accuracy, ...); ``test_acc`` and ``distance`` (to the
+        consensus, relative) are this rank's own.
+        """
+        w = self.world
+        split = [self.timer.total[c] for c in self.timer.CATEGORIES]
+        row = np.array([[test_acc, distance, w.bytes_sent, self.timer.elapsed(), w.bytes_monitoring, w.bytes_data,
+                         *split]], dtype=np.float64)
+        ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
+        hard = tracker.globally_hard() if tracker is not None else np.zeros((0, 2))
+        ex_rows = w.gather_rows(ex)
+        hard_rows = w.gather_rows(hard)
+        gathered = w.gather_rows(row)
+        if self.writer is None:
+            return None
+        g = np.concatenate(gathered)
+        accs = g[:, 0]
+        buf = io.BytesIO()
+        torch.save(consensus_state, buf)
+        atomic_write_bytes(self.writer.root / "consensus.pt", buf.getvalue())
+        summary = Summary(
+            **run, merges=self.merges_logged, rank_test_acc=accs.tolist(), best_rank_acc=float(accs.max()),
+            worst_rank_acc=float(accs.min()), mean_rank_acc=float(accs.mean()),
+            consensus_distance=float(g[:, 1].mean()), bytes_sent_per_rank=[int(b) for b in g[:, 2]],
+            bytes_sent_mean=float(g[:, 2].mean()), wall_time=float(g[:, 3].max()),
+            monitoring_bytes_mean=float(g[:, 4].mean()), data_bytes_mean=float(g[:, 5].mean()),
+            time_split={c: float(g[:, 6 + k].mean()) for k, c in enumerate(self.timer.CATEGORIES)},
+            examples=self._examples_summary(ex_rows, hard_rows) if tracker is not None else None)
+        self.writer.write_json("summary.json", summary.to_dict())
+        return summary
+
+    def _examples_summary(self, ex_rows, hard_rows) -> dict:
+        """Rank 0: totals over ranks of the example tables, and the globally hard ids (globally_hard.json)."""
+        fields = ExampleTracker.STATS_FIELDS
+        E = np.concatenate([r for r in ex_rows if r.size]).reshape(-1, len(fields))
+        tot = {f: int(E[:, k].sum()) for k, f in enumerate(fields[:7])}
+        H = np.concatenate([r for r in hard_rows if r.size] or [np.zeros((0, 2))])
+        order = np.argsort(H[:, 0], kind="stable")
+        ids, conf = H[order, 0].astype(np.int64), H[order, 1]
+        hard = {"tau_hard": self.cfg.examples.tau_hard, "count": int(ids.size), "ids": ids.tolist(),
+                "confidence": [float(c) for c in conf]}
+        self.writer.write_json("globally_hard.json", hard)
+        total = max(tot["total"], 1)
+        return {**tot, "retired_fraction": tot["retired"] / total, "reserve_fraction": tot["reserve"] / total,
+                "globally_hard": int(ids.size)}
+
+    def state_dict(self) -> dict:
+        return {"merges_logged": self.merges_logged}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.merges_logged = int(state["merges_logged"])
+
+
+def print_summary(s: Summary, run_dir: Path) -> None:
+    """The short end-of-run report rank 0 prints."""
+    counts = ", ".join(f"{k}x{len(list(g))}" for k, g in groupby(s.communities_per_round))
+    ts = s.time_split
+    total = sum(ts.values()) or 1.0
+    split = " / ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)" for k, v in ts.items())
+    ari = s.first_round_ari
+    print(f"\n== {s.name}: {s.strategy} on {s.world_size} ranks, {s.units} units, {s.rounds} rounds ==")
+    print(f"consensus test accuracy  {s.consensus_test_acc:.4f}")
+    print(f"rank test accuracy       best {s.best_rank_acc:.4f}  worst {s.worst_rank_acc:.4f}  "
+          f"mean {s.mean_rank_acc:.4f}")
+    print(f"communities per round    {counts or '-'}" + (f"   (first-round ARI {ari:.3f})" if ari is not None else ""))
+    disp = s.final_dispersion
+    print(f"final dispersion         {disp:.4g}" if disp is not None else "final dispersion         -",
+          f"  consensus reached at t={s.consensus_reached_t}" if s.consensus_reached_t else "  (no consensus stop)")
+    print(f"bytes sent per rank      {s.bytes_sent_mean / 1e6:.2f} MB (mean), {s.merges} merges; "
+          f"+{s.monitoring_bytes_mean / 1e6:.2f} MB evaluating the consensus model")
+    if s.data_bytes_mean:
+        print(f"examples passed          {s.data_bytes_mean / 1e6:.2f} MB per rank (data, apart from the above)")
+    if s.examples:
+        e = s.examples
+        print(f"examples                 {e['total']} held: {e['active']} active, {e['reserve']} reserve, "
+              f"{e['retired']} retired ({100 * e['retired_fraction']:.1f}%); {e['forgetting_events']} forgetting "
+              f"events; {e['globally_hard']} globally hard")
+    print(f"wall time                {s.wall_time:.1f}s: {split}")
+    print(f"results                  {run_dir}")

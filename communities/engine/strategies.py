@@ -1,0 +1,243 @@
+"""How ranks combine their work: one strategy object per ``strategy`` value, each doing its own mixing step.
+
+Pairwise strategies share the merge clock, so they fire merges at the same rate
+and differ only in the partner they pick:
+
+- ``community``: partners from the community law (flat or hierarchical), after
+  the first signature round; until then ranks train alone, so that their drift
+  reveals their data;
+- ``gossip``: uniform random partners (dpwa; Blot et al. 2016);
+- ``ring``: the ring neighbour, alternating direction.
+
+Global strategies average over all ranks:
+
+- ``local_sgd``: an Allreduce mean of the weights every ``merge.period`` units;
+- ``diloco``: the same mean taken as a pseudo-gradient for an outer Nesterov
+  step (Douillard et al. 2023; use AdamW inside);
+- ``allreduce``: synchronous data parallelism, gradients averaged by Allreduce
+  at every step (what DDP or Horovod do);
+- ``isolated``: nothing while training.
+
+A strategy decides *who* mixes *when*; the mixer (``mixer.py``) owns *how*: the
+pairwise exchange, the global average, the gradient Allreduce.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Type
+
+import numpy as np
+import torch
+
+from ..core import partners, protocol, schedule
+from ..core.clustering import Communities
+from ..core.partners import Law
+from ..workload import models
+
+if TYPE_CHECKING:
+    from .mixer import Mixer
+
+
+class Strategy:
+    """``isolated``: ranks train alone. The base of every strategy: each hook does nothing."""
+
+    name = "isolated"
+
+    def __init__(self, cfg, n: int):
+        self.cfg, self.n = cfg, n
+        self.communities: Optional[Communities] = None
+
+    def prepare(self, mixer: "Mixer") -> None:
+        """Once, after the replica is built and before the first unit."""
+
+    def mix(self, t: int, mixer: "Mixer") -> None:
+        """Unit t's mixing step, after every rank trained the unit."""
+
+    grad_sync: Optional[Callable[[], None]] = None  # called between backward and the optimizer step
+    unit_steps: Optional[int] = None  # fixed steps per unit (every rank must take as many)
+
+    def observe(self, communities: Communities, mixer: "Mixer", t: int) -> None:
+        """A new signature round's communities."""
+        self.communities = communities
+
+    def law(self, t: int) -> Optional[Law]:
+        """The partner law in force at t (None: no pairwise partners)."""
+        return None
+
+    def annealed(self, t: int) -> bool:
+        """True once partner choice has reached its final law (consensus may only be declared then)."""
+        return True
+
+    def state_dict(self) -> dict:
+        com = self.communities
+        return {"communities": None if com is None else {
+            "Z": torch.from_numpy(com.Z.copy()), "labels": torch.from_numpy(com.labels.copy()),
+            "cut_height": float(com.cut_height), "distances": torch.from_numpy(com.distances.copy())}}
+
+    def load_state_dict(self, state: dict) -> None:
+        com = state["communities"]
+        self.communities = None if com is None else Communities(
+            Z=com["Z"].numpy().copy(), labels=com["labels"].numpy().copy(), cut_height=com["cut_height"],
+            distances=com["distances"].numpy().copy())
+
+
+class Gossip(Strategy):
+    """Pairwise merges with uniform random partners, fired by the merge clock."""
+
+    name = "gossip"
+
+    def __init__(self, cfg, n: int):
+        super().__init__(cfg, n)
+        self.clock = protocol.MergeClock(n, cfg.seed, cfg.merge.lam)
+        self._heights: Optional[np.ndarray] = None
+        self.bias: Optional[np.ndarray] = None  # (N, N) factors on the law (merge.partner_policy: least_recent)
+
+    def prepare(self, mixer: "Mixer") -> None:
+        if self.cfg.merge.outer.enabled:
+            mixer.replica.enable_outer(self.cfg.merge.outer)
+
+    def mix(self, t: int, mixer: "Mixer") -> None:
+        """Every rank derives the same ordered exchange list and performs its own exchanges in list order."""
+        plan = self.exchanges(t, self.clock.fire(t), mixer.excluded)
+        mixer.agreement.update(np.asarray(plan, dtype=np.int64).reshape(-1, 2))
+        for partner, (initiator, _) in protocol.my_exchanges(plan, mixer.rank):
+            mixer.exchange(t, partner, initiator)
+
+    def observe(self, communities: Communities, mixer: "Mixer", t: int) -> None:
+        super().observe(communities, mixer, t)
+        self._heights = None
+        if self.cfg.merge.partner_policy == "least_recent":
+            self.bias = partners.staleness_weights(mixer.world.allgather(mixer.seen_at), t)
+
+    def law(self, t: int) -> Optional[Law]:
+        return Law("uniform", self.n)
+
+    def probabilities(self, law: Law) -> Callable[[int], np.ndarray]:
+        """P(j | i) under ``law``, weighted by the staleness bias when there is one."""
+        bias = self.bias
+        if bias is None:
+            return law.probabilities
+
+        def biased(i: int) -> np.ndarray:
+            p = law.probabilities(i) * bias[i]
+            total = p.sum()
+            return p / total if total > 0 else law.probabilities(i)
+        return biased
+
+    def exchanges(self, t: int, initiators: np.ndarray, excluded: Optional[np.ndarray] = None
+                  ) -> List[protocol.Exchange]:
+        """Unit t's ordered exchange list; ``excluded`` ranks (robust outliers) neither start nor receive one."""
+        law = self.law(t)
+        if law is None or len(initiators) == 0:
+            return []
+        probabilities = self.probabilities(law)
+        if excluded is None or not excluded.any():
+            return protocol.exchange_list(initiators, t, self.cfg.seed, probabilities)
+        initiators = [i for i in initiators if not excluded[i]]
+
+        def eligible(i: int) -> np.ndarray:
+            p = np.where(excluded, 0.0, probabilities(i))
+            total = p.sum()
+            return p / total if total > 0 else p
+
+        return protocol.exchange_list(initiators, t, self.cfg.seed, eligible)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "clock": torch.from_numpy(self.clock.state()),
+                "bias": None if self.bias is None else torch.from_numpy(self.bias.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._heights = None
+        self.clock.load(state["clock"].numpy())
+        self.bias = None if state["bias"] is None else state["bias"].numpy().copy()
+
+
+class Community(Gossip):
+    """Pairwise merges with partners from the community law of the latest signature round."""
+
+    name = "community"
+
+    def law(self, t: int) -> Optional[Law]:
+        if self.communities is None:
+            return None
+        pc = self.cfg.partners
+        if pc.law == "flat":
+            return Law("flat", self.n, labels=self.communities.labels, p_intra=pc.p_intra,
+                       p_cross=schedule.evaluate(pc.p_cross, t))
+        if self._heights is None:
+            self._heights = partners.cophenetic_heights(self.communities.Z)
+        return Law("hierarchical", self.n, heights=self._heights, temperature=schedule.evaluate(pc.temperature, t))
+
+    def annealed(self, t: int) -> bool:
+        pc, cc = self.cfg.partners, self.cfg.clustering
+        done = schedule.finished(pc.p_cross if pc.law == "flat" else pc.temperature, t)
+        if cc.cut == "maxclust":
+            done = done and schedule.finished(cc.k, t)
+        return done
+
+
+class Ring(Gossip):
+    """Pairwise merges with the ring neighbour, alternating direction every unit."""
+
+    name = "ring"
+
+    def exchanges(self, t: int, initiators: np.ndarray, excluded: Optional[np.ndarray] = None
+                  ) -> List[protocol.Exchange]:
+        pairs = [(int(i), partners.ring_partner(int(i), self.n, t)) for i in sorted(initiators)]
+        if excluded is not None and excluded.any():
+            pairs = [(i, j) for i, j in pairs if not excluded[i] and not excluded[j]]
+        return pairs
+
+
+class LocalSGD(Strategy):
+    """Every rank takes the Allreduce mean of the weights every ``merge.period`` units."""
+
+    name = "local_sgd"
+    outer = False  # the mean is a pseudo-gradient for an outer step (diloco)
+
+    def prepare(self, mixer: "Mixer") -> None:
+        if self.outer:
+            mixer.replica.enable_outer(self.cfg.merge.outer, anchor=True)
+
+    def mix(self, t: int, mixer: "Mixer") -> None:
+        if t % self.cfg.merge.period == 0:
+            mixer.average(t)
+
+
+class DiLoCo(LocalSGD):
+    """Local SGD whose global mean feeds an outer Nesterov step from the last global weights."""
+
+    name = "diloco"
+    outer = True
+
+
+class Allreduce(Strategy):
+    """Synchronous data parallelism: the flat gradient buffer is Allreduce-averaged at every step."""
+
+    name = "allreduce"
+
+    def prepare(self, mixer: "Mixer") -> None:
+        replica, world, timer = mixer.replica, mixer.world, mixer.timer
+        flat_grad = models.bind_flat_grad_(replica.model)
+
+        def average_gradients() -> None:
+            with timer("exchange"):
+                world.allreduce_mean_(flat_grad)
+
+        self.grad_sync = average_gradients
+        if self.cfg.train.unit == "epoch":  # every rank must take the same number of steps
+            longest = max(s.indices.size for s in replica.shards)
+            self.unit_steps = -(-longest // self.cfg.train.batch_size)
+
+
+STRATEGIES: Dict[str, Type[Strategy]] = {s.name: s for s in (Community, Gossip, Ring, Strategy, LocalSGD, DiLoCo,
+                                                             Allreduce)}
+SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training
+
+
+def make(cfg, n: int) -> Strategy:
+    """The strategy named by ``cfg.strategy``."""
+    try:
+        return STRATEGIES[cfg.strategy](cfg, n)
+    except KeyError:
+        raise ValueError(f"strategy={cfg.strategy!r} is not one of {sorted(STRATEGIES)}") from None

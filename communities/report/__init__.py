@@ -1,0 +1,1 @@
+"""Post-hoc inspection of run directories; reads the results layout only (no torch, no MPI)."""

@@ -1,0 +1,1 @@
+"""The MPI layer (``comm``), set-up collectives, and stop flags: the only place that talks to mpi4py."""

@@ -1,0 +1,1 @@
+"""Operator tools around the engine: benchmarks, comparisons, SLURM scripts, synthetic runs."""
