@@ -6,8 +6,8 @@ alone (the float bytes of every tensor, in state-dict order), and a few summary
 figures. A change that moves any of them changes what the engine computes: either a
 bug, or a deliberate change that re-records the table with ``--record``.
 
-    python tests/golden_runs.py --record tests/golden.json            # all runs
-    python tests/golden_runs.py --check tests/golden.json --only quickstart
+    python tests/helpers/golden_runs.py --record tests/helpers/golden.json    # all runs
+    python tests/helpers/golden_runs.py --check tests/helpers/golden.json --only quickstart
 
 The hashes hold on one kind of machine (CPU model, torch and numpy builds); the
 table stores the fingerprint they were recorded on, and the test skips elsewhere.
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 QUICK = "configs/quickstart.yaml"
 SHORT = ["train.budget=30", "consensus.stop=false"]
 
@@ -98,7 +98,7 @@ def run_one(name: str, root: Path, timeout: float = 900) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise RuntimeError(f"golden run {name} timed out after {timeout}s\n{err[-3000:]}")
+        raise RuntimeError(f"golden run {name} timed out after {timeout}s\n{err[-3000:]}") from None
     if proc.returncode != 0:
         raise RuntimeError(f"golden run {name} exited {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}")
     run_dir = root / name

@@ -10,9 +10,10 @@ import sys
 import numpy as np
 import torch
 
-from communities import examples, tracking
-from communities.comm import World
 from communities.config import ExamplesConfig
+from communities.core import example_table
+from communities.engine import example_tracker
+from communities.runtime.comm import World
 
 handover = sys.argv[1] == "handover"
 world = World(timeout=60)
@@ -22,7 +23,7 @@ x_pool = rng.standard_normal((200, 3, 5)).astype(np.float32)
 y_pool = rng.integers(0, 4, 200)
 cfg = ExamplesConfig(track=True, pass_hard=True, pass_fraction=0.2, handover=handover, pass_which="unseen")
 ids = np.arange(rank * 100, rank * 100 + 100)
-tr = tracking.ExampleTracker(cfg, ids, x_pool, y_pool, 2, rank, 0, "cpu", 4)
+tr = example_tracker.ExampleTracker(cfg, ids, x_pool, y_pool, 2, rank, 0, "cpu", 4)
 conf = np.random.default_rng(rank + 10).random(100)
 tr.table.update_confidence(np.arange(100), conf, 0.0)
 tr.trained(np.arange(0, 100, 3))
@@ -51,7 +52,7 @@ assert np.array_equal(tr.table.labels[rows], y_pool[exp_ids[srt]])
 assert torch.equal(tr.x[torch.as_tensor(rows)], torch.as_tensor(x_pool[exp_ids[srt]])), "features changed in transit"
 assert torch.equal(tr.y, torch.as_tensor(tr.table.labels)), "labels and table rows out of step"
 assert torch.equal(tr.x, torch.as_tensor(x_pool[tr.table.ids])), "features and table rows out of step"
-assert (tr.table.status[rows] == examples.ACTIVE).all()
+assert (tr.table.status[rows] == example_table.ACTIVE).all()
 after = world.allreduce_scalar(len(tr))
 if handover:
     assert not np.isin(sent_ids, tr.table.ids).any(), "handed-over examples are still here"

@@ -5,6 +5,9 @@ and munge with apt-get when they are missing, as root), and at the end stops the
 it started, by their PIDs (launch/ci/slurm-down.sh). Where the cluster cannot come up (not
 root, no apt-get, a daemon that fails) the tests skip with the reason, unless CI is set
 (CI=true), where they fail: CI must really run them.
+
+``gen`` runs ``communities slurm`` as a user would; tests/unit/test_slurm_script.py and
+tests/slurm/test_slurm.py both use it.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 UP, DOWN = ROOT / "launch" / "ci" / "slurm-up.sh", ROOT / "launch" / "ci" / "slurm-down.sh"
 CANNOT = 3  # slurm-up.sh: cannot run here
 
@@ -94,7 +97,8 @@ class Cluster:
         out = []
         for f in (self.dir / "log" / "slurmctld.log", self.dir / "log" / "slurmd.log"):
             if f.exists():
-                out.append(f"--- {f} (last {lines} lines)\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:]))
+                tail = f.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {f} (last {lines} lines)\n" + "\n".join(tail))
         return "\n".join(out)
 
 
@@ -129,3 +133,18 @@ def slurm_cluster():
         yield cluster
     finally:
         stop_cluster(cluster)
+
+
+# --------------------------------------------------------------------------- communities slurm
+
+PY = sys.executable
+
+
+def gen(*args, cwd, env=None, check=True) -> subprocess.CompletedProcess:
+    """``python -m communities.tools.slurm ARGS`` as a user would run it."""
+    res = subprocess.run([PY, "-m", "communities.tools.slurm", *map(str, args)], capture_output=True, text=True,
+                         cwd=cwd, env=env if env is not None else dict(os.environ, PYTHONPATH=str(ROOT)),
+                         timeout=120)
+    if check and res.returncode != 0:
+        raise AssertionError(f"communities slurm {args} exited {res.returncode}\n{res.stdout}\n{res.stderr}")
+    return res

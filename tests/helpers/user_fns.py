@@ -26,3 +26,17 @@ def wrong_logits(input_shape, n_classes):
     import torch
 
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(input_shape[0], n_classes + 1))
+
+
+def bug_in_setup_on_rank_0():
+    """A dataset whose loading plants a bug in rank 0's run-directory set-up (a collective_check)."""
+    from mpi4py import MPI
+
+    from communities.workload import data
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        def broken_describe(*args, **kwargs):
+            raise ZeroDivisionError("injected set-up bug on rank 0")
+        data.describe = broken_describe
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(200, 4)), rng.integers(0, 2, 200), rng.normal(size=(50, 4)), rng.integers(0, 2, 50)

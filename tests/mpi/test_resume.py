@@ -2,14 +2,12 @@
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from .conftest import ROOT, mpi_env, mpiexec, run_engine
+from tests.helpers.mpi import finish, run_engine, start, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,33 +22,9 @@ def identical(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def start(n, config, root, *overrides):
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "communities", "run", str(config),
-           f"output.root={root}", "--no-progress", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def wait_for(path: Path, proc, timeout=120):
-    t0 = time.time()
-    while not path.exists():
-        assert proc.poll() is None, f"run ended before {path} appeared:\n{proc.communicate()[1][-3000:]}"
-        assert time.time() - t0 < timeout, f"{path} did not appear"
-        time.sleep(0.1)
-
-
 def rank_pids(marker: str):
     out = subprocess.run(["pgrep", "-f", f"communities run .*{marker}"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
-
-
-def finish(proc, timeout=240):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return proc.returncode, out, err
 
 
 @pytest.mark.parametrize("how", ["signal", "stopfile"])
@@ -77,9 +51,11 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_config, how
 
     for log in ("metrics.jsonl", "merges.jsonl"):
         a, b = read_jsonl(ref / "tiny" / log), read_jsonl(cut / "tiny" / log)
-        strip = lambda rows: [{k: v for k, v in r.items() if k not in ("bytes_sent", "wall")} for r in rows]
+        def strip(rows):
+            return [{k: v for k, v in r.items() if k not in ("bytes_sent", "wall")} for r in rows]
         assert strip(a) == strip(b), log
-    rounds = lambda d: sorted(p.name for p in (d / "tiny" / "rounds").iterdir())
+    def rounds(d):
+        return sorted(p.name for p in (d / "tiny" / "rounds").iterdir())
     assert rounds(ref) == rounds(cut)
 
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from communities import config, data, models
+from communities import config
+from communities.workload import data, models
 
 
 @pytest.mark.parametrize("kind", ["iid", "dirichlet", "label_groups"])
@@ -36,8 +37,9 @@ def test_label_groups_purity_mixes_in_other_labels():
 
 def test_dirichlet_small_alpha_is_skewed():
     y = np.repeat(np.arange(10), 100)
-    skew = lambda a: np.mean([np.max(np.bincount(y[s.indices], minlength=10)) / max(s.indices.size, 1)
-                              for s in data.partition(y, 8, "dirichlet", seed=0, alpha=a)])
+    def skew(a):
+        return np.mean([np.max(np.bincount(y[s.indices], minlength=10)) / max(s.indices.size, 1)
+                                  for s in data.partition(y, 8, "dirichlet", seed=0, alpha=a)])
     assert skew(0.05) > skew(100.0) + 0.3
 
 
@@ -66,10 +68,10 @@ def good_user_data():
 
 def test_user_dataset_errors_name_the_function():
     with pytest.raises(data.DataError, match="lengths differ"):
-        data.load(config.DataConfig(dataset="tests.test_data_models:bad_shapes"), 0)
+        data.load(config.DataConfig(dataset="tests.unit.test_data_models:bad_shapes"), 0)
     with pytest.raises(data.DataError, match="cannot import"):
-        data.load(config.DataConfig(dataset="tests.test_data_models:nothing_here"), 0)
-    ds = data.load(config.DataConfig(dataset="tests.test_data_models:good_user_data"), 0)
+        data.load(config.DataConfig(dataset="tests.unit.test_data_models:nothing_here"), 0)
+    ds = data.load(config.DataConfig(dataset="tests.unit.test_data_models:good_user_data"), 0)
     assert ds.n_classes == 3
 
 

@@ -1,4 +1,5 @@
-"""Per-example bookkeeping (communities.examples), without MPI: confidence, retirement, visited sets, packets."""
+"""Per-example bookkeeping (communities.core.example_table), without MPI: confidence, retirement, visited sets,
+packets."""
 import io
 
 import numpy as np
@@ -7,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from communities import examples as ex
-from communities.examples import ACTIVE, RESERVE, RETIRED, ExampleTable
+from communities.core import example_table as ex
+from communities.core.example_table import ACTIVE, RESERVE, RETIRED, ExampleTable
 
 NAN = np.float32("nan")
 

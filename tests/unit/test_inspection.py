@@ -1,10 +1,11 @@
-"""Tests for ``communities inspect`` (communities/inspection.py).
+"""Tests for ``communities inspect`` (communities/report/inspection.py).
 
 Why these: the inspection tool is what users run on a login node after a run, so
 it must read exactly the results layout (synthetic runs written by
-tests/synthetic_run.py through RunWriter), never pull in torch/mpi4py, agree with
+tests/helpers/synthetic_run.py through RunWriter), never pull in torch/mpi4py, agree with
 scipy and scikit-learn on the numbers it reports, survive big trees and partial
 runs, and turn damaged files into one-line messages with exit status 2.
+A run of the real engine under mpiexec is inspected in tests/mpi/test_inspection_mpi.py.
 """
 from __future__ import annotations
 
@@ -24,11 +25,8 @@ import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic_run import make_run  # noqa: E402
-
-from communities import inspection  # noqa: E402
-from communities.inspection import (  # noqa: E402
+from communities.report import inspection  # noqa: E402
+from communities.report.inspection import (  # noqa: E402
     compress_counts,
     load_view,
     main_inspect,
@@ -37,10 +35,11 @@ from communities.inspection import (  # noqa: E402
     select_rounds,
     stable_labels,
 )
+from tests.helpers.synthetic_run import make_run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +102,13 @@ def test_default_report_location_and_no_svg(small_run, tmp_path, capsys):
 
 
 def test_module_runs_without_torch_or_mpi4py(small_run, tmp_path):
-    """The login-node promise: ``python -m communities.inspection`` never imports torch or mpi4py."""
+    """The login-node promise: ``python -m communities.report.inspection`` never imports torch or mpi4py."""
     out = tmp_path / "rep"
     code = (
         "import sys, runpy\n"
-        f"sys.argv = ['communities.inspection', {str(small_run)!r}, '--out', {str(out)!r}, '--last']\n"
+        f"sys.argv = ['communities.report.inspection', {str(small_run)!r}, '--out', {str(out)!r}, '--last']\n"
         "try:\n"
-        "    runpy.run_module('communities.inspection', run_name='__main__')\n"
+        "    runpy.run_module('communities.report.inspection', run_name='__main__')\n"
         "except SystemExit as e:\n"
         "    assert e.code == 0, e.code\n"
         "bad = [m for m in ('torch', 'mpi4py') if m in sys.modules]\n"
@@ -121,7 +120,7 @@ def test_module_runs_without_torch_or_mpi4py(small_run, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "CLEAN" in res.stdout
     assert _nonempty(out / "index.html")
-    res = subprocess.run([sys.executable, "-c", "import sys, communities.inspection; "
+    res = subprocess.run([sys.executable, "-c", "import sys, communities.report.inspection; "
                           "print([m for m in ('torch', 'mpi4py') if m in sys.modules])"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert res.stdout.strip() == "[]", res.stderr
@@ -581,7 +580,7 @@ def test_make_run_needs_no_test_helpers(tmp_path):
         "import sys\n"
         "for name in ('pytest', '_pytest', 'conftest', 'tests', 'tests.conftest'):\n"
         "    sys.modules[name] = None  # importing any of them now raises ImportError\n"
-        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        f"sys.path.insert(0, {str(REPO / 'tests' / 'helpers')!r})\n"
         "from synthetic_run import make_run\n"
         f"make_run({str(tmp_path / 'r')!r}, n_ranks=4, n_rounds=2, groups=2)\n"
         "print('OK')\n"
@@ -591,33 +590,3 @@ def test_make_run_needs_no_test_helpers(tmp_path):
                          timeout=240)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
     assert (tmp_path / "r" / "summary.json").is_file()
-
-
-def test_inspect_a_run_of_the_real_engine(tmp_path, tiny_config, capsys):
-    """Not synthetic: 4 ranks of ``communities run`` for 15 units (3 signature rounds), with example
-    tracking on so summary.json has its nested ``examples`` table; every figure must exist and be linked."""
-    from .conftest import run_engine
-
-    run_engine(4, tiny_config, tmp_path, "train.budget=15", "examples.track=true")
-    run = tmp_path / "tiny"
-    rounds = sorted(p.name for p in (run / "rounds").iterdir() if p.name.startswith("round_"))
-    assert len(rounds) >= 2, rounds
-    out = tmp_path / "report"
-    assert main_inspect([str(run), "--out", str(out)]) == 0
-    captured = capsys.readouterr()
-    assert "warning" not in captured.err, captured.err  # the engine's own files are consistent
-    assert f"rounds: {len(rounds)} " in captured.out and "status complete" in captured.out
-    stems = ["curves", "timeline", "merge_matrix"] + [f"dendrogram_{r}" for r in rounds]
-    page = (out / "index.html").read_text()
-    refs = set(re.findall(r'(?:src|href)="([^"]+)"', page))
-    for stem in stems:
-        for ext in ("png", "svg"):  # 4 ranks: every figure is small enough for an SVG copy
-            name = f"{stem}.{ext}"
-            assert _nonempty(out / name), name
-            assert name in refs, name
-    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert _nonempty(out / "rounds.csv") and "rounds.csv" in refs
-    for s in refs:
-        assert (out / s).is_file(), s
-    summary = json.loads((run / "summary.json").read_text())
-    assert "examples" in summary and "data_bytes_mean" in page and "globally_hard" in page

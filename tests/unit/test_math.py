@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import adjusted_rand_score
 
-from communities import clustering, merge, partners, protocol, schedule, signature
-
+from communities.core import clustering, merge, partners, protocol, schedule, signature
 
 # ----------------------------------------------------------------------------- schedules
 
@@ -244,7 +243,8 @@ def test_symmetric_merges_conserve_the_mean_and_never_raise_the_spread(rule):
     rng = np.random.default_rng(0)
     W = [torch.from_numpy(rng.normal(size=100)).double() for _ in range(6)]
     mean0 = torch.stack(W).mean(0)
-    spread = lambda: float(sum(torch.dist(w, torch.stack(W).mean(0)) ** 2 for w in W))
+    def spread():
+        return float(sum(torch.dist(w, torch.stack(W).mean(0)) ** 2 for w in W))
     s_prev = spread()
     for t in range(40):
         i, j = rng.choice(6, 2, replace=False)
@@ -352,7 +352,7 @@ def test_find_communities_gives_the_labels_of_the_pdist_version(method, metric):
     """On planted data the fast distances build the tree, cut and labels that pdist + sklearn silhouettes gave."""
     from scipy.cluster import hierarchy
 
-    from communities import bench
+    from communities.tools import bench
 
     for seed, (groups, per, d) in enumerate([(4, 4, 64), (8, 24, 256), (5, 60, 32)]):
         S, truth = planted(groups, per, d=d, spread=0.4, seed=seed)

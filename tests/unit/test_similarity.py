@@ -1,4 +1,4 @@
-"""Functional similarity (communities.similarity), without MPI: linear CKA, its sketch, the CKA matrix."""
+"""Functional similarity (communities.core.similarity), without MPI: linear CKA, its sketch, the CKA matrix."""
 import numpy as np
 import pytest
 import torch
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from scipy.cluster import hierarchy
 from scipy.spatial.distance import squareform
 
-from communities import similarity as sim
+from communities.core import similarity as sim
 
 
 def reference_cka(X, Y):

@@ -1,14 +1,12 @@
-"""The launcher and MPI must agree on the world; a set-up failure prints one traceback, from the rank that failed."""
+"""The launcher and MPI must agree on the world (a set-up failure under mpiexec: tests/mpi/test_world_check_mpi.py)."""
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from communities.comm import launcher_mismatch, launcher_world_size
-
-from .conftest import ROOT, run_engine
+from communities.runtime.comm import launcher_mismatch, launcher_world_size
+from tests.helpers.mpi import ROOT
 
 
 @pytest.mark.parametrize("env, mpi_size, bad", [
@@ -67,32 +65,3 @@ def test_an_sbatch_allocation_alone_is_no_launcher_mismatch(tmp_path):
     assert "world_size=8 but MPI started 1 ranks" in res.stderr  # the config's own world check speaks instead
     step = _run_single(tmp_path, SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="4", SLURM_STEPID="0", SLURM_JOB_ID="1")
     assert step.returncode == 2 and "(SLURM_STEP_NUM_TASKS=4) but MPI reports a world of 1" in step.stderr
-
-
-# --------------------------------------------------------------------------- one traceback per failure
-
-
-def bug_in_setup_on_rank_0():
-    """A dataset whose loading plants a bug in rank 0's run-directory set-up (a collective_check)."""
-    from mpi4py import MPI
-
-    from communities import data
-
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        def broken_describe(*args, **kwargs):
-            raise ZeroDivisionError("injected set-up bug on rank 0")
-        data.describe = broken_describe
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(200, 4)), rng.integers(0, 2, 200), rng.normal(size=(50, 4)), rng.integers(0, 2, 50)
-
-
-@pytest.mark.timeout(300)
-def test_a_setup_bug_prints_one_traceback(tmp_path, tiny_config):
-    res = run_engine(3, tiny_config, tmp_path, "data.dataset=tests.test_world_check:bug_in_setup_on_rank_0",
-                     "data.partition=iid", check=False, timeout=120)
-    assert res.returncode != 0
-    assert "injected set-up bug on rank 0" in res.stderr and "rank 0 failed; aborting all 3 ranks" in res.stderr
-    assert res.stderr.count("Traceback") == 1, res.stderr
-    for rank in (1, 2):  # the others stop with one line, no traceback of their own
-        assert f"rank {rank} stopping: rank 0 failed during set-up: ZeroDivisionError" in res.stderr \
-            or f"rank {rank}" not in res.stderr  # killed by rank 0's abort before it got to say so
