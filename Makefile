@@ -1,19 +1,22 @@
 # Two entry points on a fresh machine:
 #   make run    create .venv, install, run the 8-rank quickstart, write results/quickstart/ and its report
 #   make test   create .venv, install, run the test suite (what .ci/run calls)
+# and for development:
+#   make lint   ruff (pyproject.toml) on the package and tests, mypy on the pure modules (core/, errors.py)
+#   make golden the 15 golden runs against tests/helpers/golden.json (CI checks 8 of them in make test)
 #
 # TORCH pins the build installed into the venv (the package itself accepts torch>=2.1).
 # EXTRAS picks optional parts; drop "mpich" to use a system MPI that mpi4py was built against.
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
-EXTRAS ?= mpich,inspect,mnist1d,test
+EXTRAS ?= mpich,inspect,mnist1d,test,dev
 NP     ?= 8
 CONFIG ?= configs/quickstart.yaml
 PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
 
-.PHONY: install run test clean
+.PHONY: install run test lint golden clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +32,13 @@ run: install
 
 test: install
 	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -rfEs --durations=25 tests
+
+lint: install
+	$(BIN)/ruff check communities tests
+	$(BIN)/mypy communities/core communities/errors.py
+
+golden: install
+	OMP_NUM_THREADS=1 $(PY) tests/helpers/golden_runs.py --check tests/helpers/golden.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,6 +34,8 @@ setup(
         "inspect": ["matplotlib>=3.6"],
         "mnist1d": ["mnist1d>=0.0.2"],
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2"],
+        # pinned: a newer linter may flag new things, and CI runs make lint
+        "dev": ["ruff==0.17.6", "mypy==2.4.1"],
     },
     entry_points={"console_scripts": ["communities=communities.cli:main"]},
 )
