@@ -12,7 +12,7 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Any, List, Literal, Optional, Union, get_args
+from typing import Any, Dict, List, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -100,7 +100,10 @@ class TrainConfig(_Section):
     batch_size: int = Field(32, ge=1)
     unit: Literal["epoch", "steps"] = Field("epoch", description="one unit of virtual time")
     steps_per_unit: int = Field(10, ge=1, description="steps per unit when unit: steps")
-    budget: int = Field(100, ge=1, description="maximum units of virtual time")
+    budget: int = Field(100, ge=1, description="maximum units of virtual time (each rank's own units under async)")
+    wall_budget: Optional[float] = Field(
+        None, gt=0, description="seconds of wall clock: under protocol async each rank stops training after this "
+        "long; under the virtual clock every rank stops at the first signature round past it (null: none)")
     eval_every: int = Field(10, ge=1, description="units between test evaluations")
 
     @model_validator(mode="after")
@@ -154,6 +157,8 @@ class SignatureConfig(_Section):
     layer: Optional[str] = Field(None, description="cka: the named module whose output is compared "
                                  "(null: the input of the last Linear layer)")
     debias: bool = Field(True, description="cka: remove the sketch's bias when the layer is wider than dim")
+    gossip_rows: int = Field(64, ge=1, description="protocol async: at most this many signature rows passed on "
+                             "per exchange (own row first, then the newest)")
 
 
 class ClusteringConfig(_Section):
@@ -206,6 +211,11 @@ class ConsensusConfig(_Section):
 class OutputConfig(_Section):
     root: str = "results"
     consensus_every: int = Field(0, ge=0, description="units between consensus-model evaluations (0: eval_every)")
+    snapshot_seconds: float = Field(
+        1.0, ge=0, description="protocol async: seconds of wall clock between copies of the weights, averaged at "
+        "the end into the consensus-over-wall-time curve (0: none)")
+    snapshots_max: int = Field(64, ge=2, description="protocol async: copies kept; past that every other one is "
+                               "dropped and the interval doubles")
 
 
 class CommConfig(_Section):
@@ -239,12 +249,19 @@ class FaultsConfig(_Section):
     stall_rank: Optional[int] = Field(None, ge=0, description="this rank stops responding at unit stall_at")
     stall_at: int = Field(1, ge=1)
     stall_seconds: float = Field(3600.0, gt=0)
+    speed: Dict[int, float] = Field(
+        default_factory=dict, description="rank -> slowdown factor >= 1: the rank sleeps (factor - 1) x each "
+        "batch's own time after it, e.g. {0: 3.0} makes rank 0 three times slower")
+    jitter: float = Field(0.0, ge=0, description="every rank sleeps a random [0, jitter] seconds after each batch")
 
 
     @model_validator(mode="after")
     def _nonzero_scale(self):
         if self.hostile_scale == 0:
             raise ValueError("faults.hostile_scale must be non-zero")
+        bad = {r: f for r, f in self.speed.items() if r < 0 or not f >= 1.0}
+        if bad:
+            raise ValueError(f"faults.speed={bad}: ranks are >= 0 and slowdown factors >= 1")
         return self
 
 
@@ -257,8 +274,8 @@ class CheckpointConfig(_Section):
 
 
 # Keys a resumed run may change: they do not alter what is computed up to the checkpoint.
-RESUME_MAY_CHANGE = ("train.budget", "output", "checkpoint", "comm.check_hashes", "comm.timeout", "consensus.stop",
-                     "consensus.patience", "consensus.tol", "train.eval_every")
+RESUME_MAY_CHANGE = ("train.budget", "train.wall_budget", "output", "checkpoint", "comm.check_hashes", "comm.timeout",
+                     "consensus.stop", "consensus.patience", "consensus.tol", "train.eval_every")
 
 
 def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
@@ -314,6 +331,7 @@ class ExamplesConfig(_Section):
 Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"]
 STRATEGIES = get_args(Strategy)
 SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training (every step)
+PAIRWISE = ("community", "gossip", "ring")  # strategies that merge in pairs (the ones protocol async runs)
 
 NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]+")
 SEED_BOUND = 2**32  # numpy's legacy RandomState and scikit-learn's random_state take seeds in [0, 2**32)
@@ -323,6 +341,9 @@ class Config(_Section):
     name: str = Field("run", description="the run directory's name under output.root: one plain file name")
     seed: int = Field(0, ge=0, lt=SEED_BOUND, description="0 <= seed < 2**32")
     strategy: Strategy = "community"
+    protocol: Literal["virtual_clock", "async"] = Field(
+        "virtual_clock", description="virtual_clock: every rank walks the same exchange lists (deterministic, "
+        "bitwise resumable); async: each rank at its own pace, merges served between batches")
     world_size: Optional[int] = Field(None, ge=1, description="expected MPI world size; null accepts any")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     threads: Optional[int] = Field(None, ge=1, description="torch threads per rank; null: OMP_NUM_THREADS, else 1")
@@ -357,6 +378,17 @@ class Config(_Section):
             raise ValueError(f"seed={seed} is out of range: 0 <= seed < 2**32 (= {SEED_BOUND})")
         return seed
 
+    @model_validator(mode="after")
+    def _protocol(self):
+        if self.protocol == "async":
+            if self.strategy not in PAIRWISE:
+                raise ValueError(f"protocol='async' runs the pairwise strategies {list(PAIRWISE)}, not "
+                                 f"strategy={self.strategy!r} (global averages need every rank at the same unit)")
+            if self.checkpoint.every:
+                raise ValueError(f"checkpoint.every={self.checkpoint.every} needs protocol='virtual_clock': under "
+                                 "async, ranks are at different units; checkpoints are taken at a stop and at the end")
+        return self
+
     def check_world(self, world: int) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
         if self.world_size is not None and self.world_size != world:
@@ -371,6 +403,9 @@ class Config(_Section):
             rank = getattr(self.faults, key)
             if rank is not None and rank >= world:
                 raise ConfigError(f"faults.{key}={rank} is not a rank of a world of {world} (0..{world - 1})")
+        for rank in self.faults.speed:
+            if rank >= world:
+                raise ConfigError(f"faults.speed names rank {rank}, not a rank of a world of {world} (0..{world - 1})")
         if self.strategy in ("community", "gossip", "ring") and world < 2:
             raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
 

@@ -197,6 +197,8 @@ class Event(IntEnum):
     SKIP_DIVERGED = 2  # kept its weights: the partner diverged
     RESET = 3  # took the partner's (or the mean's) weights: this rank had diverged
     QUARANTINED = 4  # left alone: this rank is quarantined
+    TIMEOUT = 5  # protocol async: the partner did not answer within comm.timeout; skipped
+    BUSY = 6  # protocol async: the partner was waiting on a request of its own; another one was drawn
 
     @property
     def label(self) -> str:
@@ -264,7 +266,9 @@ class MergeRow(_Record):
         return self.event == Event.MERGE or self.j == -1
 
 
-TIME_CATEGORIES = ("train", "exchange", "signature", "idle", "eval")
+# Where a rank's wall time goes; the categories partition it ("other": checkpoints, logs, the loop itself).
+# "idle" is every wait for a slower peer, whatever call it happens in (engine/timer.py settles collectives).
+TIME_CATEGORIES = ("train", "exchange", "signature", "idle", "eval", "other")
 
 
 @dataclass
@@ -294,10 +298,15 @@ class Summary:
     wall_time: float
     monitoring_bytes_mean: float = 0.0  # Allreduces that only evaluate the consensus model
     data_bytes_mean: float = 0.0  # training examples passed between partners
-    time_split: Dict[str, float] = field(default_factory=dict)
+    time_split: Dict[str, float] = field(default_factory=dict)  # mean over ranks, seconds per category
     examples: Optional[dict] = None  # with examples.track
+    protocol: str = "virtual_clock"
+    time_split_per_rank: Dict[str, List[float]] = field(default_factory=dict)  # also "wall": each rank's loop
+    consensus_test_split: str = "shared"  # which test split consensus_test_acc is measured on
+    view_agreement: Optional[dict] = None  # protocol async: how much the ranks' community views agreed
+    units_per_rank: List[int] = field(default_factory=list)  # protocol async: each rank's own units (units: max)
 
-    OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples",)
+    OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement")
 
     def to_dict(self) -> dict:
         d = asdict(self)

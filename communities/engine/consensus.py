@@ -22,6 +22,7 @@ from ..runtime.comm import World
 from .replica import Replica
 from .rounds import RoundResult
 from .timer import Timer
+from .wall_snapshots import WallSnapshots
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,50 @@ class Consensus:
         """The consensus weights: the mean over the ranks that count (a collective)."""
         return self.replica.masked_mean()
 
+    def curve(self) -> List[dict]:
+        """The consensus over wall time, evaluated at the end (a collective): none under the virtual clock,
+        whose consensus.jsonl rows are taken during the run."""
+        return []
+
     def state_dict(self) -> dict:
         return {"calm_rounds": self.calm_rounds, "reached_t": self.reached_t, "updates": list(self.updates)}
 
     def load_state_dict(self, state: dict) -> None:
         self.calm_rounds, self.reached_t = int(state["calm_rounds"]), state["reached_t"]
         self.updates = list(state["updates"])
+
+
+class AsyncConsensus(Consensus):
+    """Consensus under ``protocol: async``: each rank decides on its own view, with no collective in the loop.
+
+    The dispersion is that of the rank's own signature table and the merge
+    activity that of its own merges; a rank whose view has settled stops
+    training and serves the others until every rank is done. The consensus
+    model is evaluated over wall time from snapshots (``WallSnapshots``).
+    """
+
+    def __init__(self, cfg, world: World, timer: Timer, replica: Replica):
+        super().__init__(cfg, world, timer, replica)
+        self.snapshots = WallSnapshots(cfg.output.snapshot_seconds, cfg.output.snapshots_max)
+
+    def _merge_activity(self) -> Tuple[Optional[float], Optional[float]]:
+        if not self.updates:
+            return None, None
+        mean = float(np.mean(self.updates))
+        self.updates = []
+        scale = float(self.replica.flat.norm())
+        return finite_or_none(mean), (finite_or_none(mean / scale) if scale > 0 else None)
+
+    def evaluate_due(self, t: int) -> Optional[dict]:
+        return None  # a mid-run evaluation would be a collective: the curve comes from the snapshots
+
+    def curve(self) -> List[dict]:
+        with self.timer("eval"):
+            return self.snapshots.curve(self.world, self.replica.evaluate)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "snapshots": self.snapshots.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.snapshots.load_state_dict(state["snapshots"])

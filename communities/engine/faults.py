@@ -3,12 +3,15 @@
 The defences (divergence resets, robust outliers, the watchdog) are only as good
 as the faults they were tested against, so the faults are part of the product:
 slow and stalled ranks, NaN weights, a Byzantine rank that lies about its
-weights. With nothing configured the engine holds ``NoFaults``, whose hooks do
-nothing, so the training path carries no fault logic.
+weights, and heterogeneity (a rank persistently slower by a factor, random
+per-batch jitter), so that anyone can reproduce a straggler benchmark. With
+nothing configured the engine holds ``NoFaults``, whose hooks do nothing, so the
+training path carries no fault logic.
 """
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
@@ -22,6 +25,10 @@ class NoFaults:
 
     def during_unit(self, t: int) -> None:
         """Inside the unit's training time: an injected slowdown."""
+
+    def batch_hook(self, t: int) -> Optional["SlowDown"]:
+        """A function to call after each batch of unit t (None: nothing to do)."""
+        return None
 
     def after_unit(self, t: int, flat: torch.Tensor) -> None:
         """After the unit's training: a stall, or weights turned to NaN."""
@@ -49,6 +56,14 @@ class InjectedFaults(NoFaults):
         if self.cfg.slow_max > 0:
             time.sleep(self.cfg.slow_max * protocol.rng(self.seed, protocol.Purpose.SLOW, t, self.rank).random())
 
+    def batch_hook(self, t: int) -> Optional["SlowDown"]:
+        """faults.speed: sleep (factor - 1) x each batch's own time; faults.jitter: a random extra per batch."""
+        factor = float(self.cfg.speed.get(self.rank, 1.0))
+        jitter = float(self.cfg.jitter)
+        if factor == 1.0 and jitter == 0.0:
+            return None
+        return SlowDown(factor, jitter, protocol.rng(self.seed, protocol.Purpose.JITTER, t, self.rank))
+
     def after_unit(self, t: int, flat: torch.Tensor) -> None:
         f = self.cfg
         if f.stall_rank == self.rank and t == f.stall_at:
@@ -69,8 +84,27 @@ class InjectedFaults(NoFaults):
         self._hostile_rng.set_state(state["hostile_rng"])
 
 
+class SlowDown:
+    """Called after each batch: stretches the batch's own compute time by ``factor``, plus jitter."""
+
+    def __init__(self, factor: float, jitter: float, rng):
+        self.factor, self.jitter, self.rng = factor, jitter, rng
+        self.restart()
+
+    def restart(self) -> None:
+        """The next batch's compute starts now (after whatever ran between batches)."""
+        self.mark = time.perf_counter()
+
+    def __call__(self, step: int) -> None:
+        pause = (self.factor - 1.0) * (time.perf_counter() - self.mark)
+        if self.jitter:
+            pause += self.jitter * self.rng.random()
+        time.sleep(pause)
+        self.restart()
+
+
 def make_faults(cfg, seed: int, rank: int) -> NoFaults:
     """``InjectedFaults`` when ``cfg`` (a FaultsConfig) asks for any fault, else ``NoFaults``."""
     asked = (cfg.slow_max > 0 or cfg.stall_rank is not None or cfg.nan_rank is not None
-             or cfg.hostile_rank is not None)
+             or cfg.hostile_rank is not None or bool(cfg.speed) or cfg.jitter > 0)
     return InjectedFaults(cfg, seed, rank) if asked else NoFaults()

@@ -30,13 +30,12 @@ from ..results import Summary, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import World
+from . import protocols
 from .checkpoint import Checkpointer
-from .consensus import Consensus, Decision
+from .consensus import Decision
 from .faults import make_faults
-from .mixer import Mixer
 from .progress import Progress
 from .replica import Replica
-from .rounds import SignatureRounds
 from .run_dir import RunDirectory, describe_partition, now
 from .runlog import RunLog, print_summary
 from .timer import Timer
@@ -58,19 +57,18 @@ class Engine:
         self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
         self.agreement = RunningDigest()
         self.replica = Replica.build(cfg, world, device, self.timer, self.faults)
-        self.rounds = SignatureRounds(cfg, world, self.timer, self.replica, self.agreement)
-        self.mixer = Mixer(cfg, world, self.timer, self.replica, self.agreement)
-        self.consensus = Consensus(cfg, world, self.timer, self.replica)
+        self.rounds, self.mixer, self.consensus, collective_log = protocols.build(
+            cfg, world, self.timer, self.replica, self.agreement)
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
                                     device, self.replica.flat.numel())
-        self.log = RunLog(cfg, world, self.timer, self.run_dir.writer)
+        self.log = RunLog(cfg, world, self.timer, self.run_dir.writer, collective=collective_log)
         self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0)
         parts = {"replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
                  "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement,
                  "faults": self.faults}
         self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts,
-                                        before_save=self.log.flush, info=self._checkpoint_info)
+                                        before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info)
         self.t = self.checkpoints.load(resumed) if resumed is not None else 0
 
     # ------------------------------------------------------------------ the loop
@@ -84,6 +82,7 @@ class Engine:
                 self.t = t
                 if self._unit(t):
                     break
+            self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
             if self.cfg.checkpoint.at_end:
                 self.checkpoints.save(self.t, final=True)
             summary = self._finish()
@@ -98,18 +97,23 @@ class Engine:
             self.progress.close()
 
     def _unit(self, t: int) -> bool:
-        """Unit t of virtual time; True when the run ends here (consensus reached)."""
+        """Unit t of this rank; True when the run ends here (consensus reached, or the wall budget spent)."""
         self.world.watchdog.context = f"t={t}"
-        self.log.unit(self.replica.train_unit(t, self.mixer.grad_sync, self.mixer.unit_steps))
+        self.log.unit(self.replica.train_unit(t, self.mixer.grad_sync, self.mixer.unit_steps,
+                                              self.mixer.between_batches))
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
         decision = self._round(t) if self.rounds.due(t) else None
         self.log.consensus(self.consensus.evaluate_due(t))
         self.progress.update(t, self.rounds.counts[-1] if self.rounds.counts else None, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss)
-        if decision is not None and decision.stop:  # identical on every rank: a pending stop signal is moot
+        if decision is not None and decision.stop:  # identical on every rank (virtual clock): a stop signal is moot
             return True
-        # Polled at signature rounds only, so that between rounds a slow rank delays its partners alone.
-        if self.rounds.due(t) and self._stop_requested():
+        signal = stopflag.requested() or self.run_dir.stop_file_present()
+        reason = self.mixer.stop_reason(t, self.rounds.due(t), signal)
+        if reason == "budget":
+            return True
+        if reason == "signal":
+            self.mixer.drain()
             self.checkpoints.save(t)
             self._preempt(t)
         if self.checkpoints.due(t):
@@ -128,12 +132,6 @@ class Engine:
 
     # ------------------------------------------------------------------ stop and finish
 
-    def _stop_requested(self) -> bool:
-        """One tiny Allreduce: stop if any rank got a signal (``stopflag``) or rank 0 sees ``RUN_DIR/STOP``."""
-        local = stopflag.requested() or self.run_dir.stop_file_present()
-        with self.timer("idle"):
-            return self.world.allreduce_scalar(float(local), "max") > 0
-
     def _preempt(self, t: int) -> None:
         self.run_dir.interrupted(t)
         # No rank exits before rank 0 has committed: srun --kill-on-bad-exit would otherwise kill rank 0
@@ -151,7 +149,8 @@ class Engine:
         """The consensus model, evaluated and saved, and the summary (rank 0 returns it)."""
         cfg, replica = self.cfg, self.replica
         self.rounds.drain()
-        self.log.flush()
+        self.log.flush(final=True)
+        self.log.consensus_rows(self.consensus.curve())
         with self.world.monitoring():
             mean = self.consensus.model()
         with self.timer("eval"):
@@ -164,7 +163,9 @@ class Engine:
                "final_dispersion": finite_or_none(self.rounds.last_dispersion),
                "consensus_reached_t": self.consensus.reached_t}
         model = replica.state_dict_of(mean) if self.world.rank == 0 else None
-        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker)
+        with self.world.monitoring():  # measuring, not training traffic
+            self.timer.settle(self.world)
+        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views)
         self.run_dir.complete()
         return summary
 

@@ -51,6 +51,8 @@ class Mixer:
         events, self._events = self._events, []
         return events
 
+    between_batches = None  # the virtual clock mixes only between units
+
     @property
     def grad_sync(self):
         return self.strategy.grad_sync
@@ -68,13 +70,34 @@ class Mixer:
     def law(self, t: int) -> Optional[Law]:
         return self.strategy.law(t)
 
+    def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[str]:
+        """At signature rounds, one tiny Allreduce: ``signal`` if any rank was asked to stop (a signal or the
+        STOP file), ``budget`` once any rank passed ``train.wall_budget``; the same answer on every rank.
+
+        Polled at rounds only, so that between rounds a slow rank delays its partners alone.
+        """
+        if not at_round:
+            return None
+        budget = self.cfg.train.wall_budget
+        over = budget is not None and self.timer.elapsed() >= budget
+        with self.timer("idle"):
+            flags = self.world.allreduce_array(np.array([float(signal), float(over)]), "max")
+        return "signal" if flags[0] > 0 else ("budget" if flags[1] > 0 else None)
+
+    def drain(self) -> None:
+        """Nothing is in flight between units under the virtual clock."""
+
     def annealed(self, t: int) -> bool:
         return self.strategy.annealed(t)
 
     # ------------------------------------------------------------------ how: pairwise
 
-    def exchange(self, t: int, partner: int, initiator: int) -> None:
-        """Swap weights with ``partner`` and apply the merge rule on both sides."""
+    def exchange(self, t: int, partner: int, initiator: int, rule_t: Optional[int] = None) -> None:
+        """Swap weights with ``partner`` and apply the merge rule on both sides.
+
+        ``rule_t`` is the unit a scheduled rule (ema) is evaluated at; both sides
+        must use the same one (the asynchronous mixer passes the pair's minimum).
+        """
         cfg, r = self.cfg, self.replica
         mc = cfg.merge
         has_state = bool(r.opt.state) if mc.optimizer_state == "average" else False
@@ -83,7 +106,7 @@ class Mixer:
         with self.timer("idle"):  # the partner may still be training: this is where we wait for it
             other = self.pair.swap_headers(mine, partner)
         with self.timer("exchange"):
-            a, event = decide(mine, other, mc, cfg.robust.diverged, t)
+            a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t)
             before = r.flat.clone() if r.outer is not None and event == Event.MERGE else None
             distance = self.pair.swap_weights(r.flat, partner, a,
                                               outgoing=r.outgoing() if r.faults.hostile else None)

@@ -102,9 +102,12 @@ class Replica:
 
     # ------------------------------------------------------------------ training
 
-    def train_unit(self, t: int, grad_sync: Optional[Callable[[], None]] = None,
-                   steps: Optional[int] = None) -> MetricRow:
-        """Train unit t on the shard, check for divergence, evaluate when due; returns the unit's metrics row."""
+    def train_unit(self, t: int, grad_sync: Optional[Callable[[], None]] = None, steps: Optional[int] = None,
+                   between_batches: Optional[Callable[[], None]] = None) -> MetricRow:
+        """Train unit t on the shard, check for divergence, evaluate when due; returns the unit's metrics row.
+
+        ``between_batches`` (the asynchronous mixer's serving) runs after every batch.
+        """
         cfg = self.cfg
         with self.timer("train"):
             x, y, rows = self.x, self.y, None
@@ -112,7 +115,7 @@ class Replica:
                 rows = self.tracker.training_rows(t)
                 x, y = self.tracker.view(rows)
             res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
-                                   grad_sync=grad_sync)
+                                   grad_sync=grad_sync, between_batches=self._batch_hook(t, between_batches))
             if rows is not None:
                 self.tracker.trained(rows)
             self.faults.during_unit(t)
@@ -136,6 +139,21 @@ class Replica:
             self.test_acc, self.test_loss = test_acc, test_loss
         return MetricRow(t, res.loss, res.accuracy, test_acc, test_loss, self.samples, self.world.bytes_sent,
                          self.timer.elapsed())
+
+    def _batch_hook(self, t: int, serve: Optional[Callable[[], None]]) -> Optional[Callable[[int], None]]:
+        """What runs between batches: an injected slowdown of this batch, then serving partners."""
+        slow = self.faults.batch_hook(t)
+        if slow is None and serve is None:
+            return None
+
+        def hook(step: int) -> None:
+            if slow is not None:
+                slow(step)
+            if serve is not None:
+                serve()
+                if slow is not None:
+                    slow.restart()  # the time spent serving is not this rank's compute
+        return hook
 
     def evaluate(self, flat: Optional[torch.Tensor] = None):
         """(accuracy, loss) on the shared test split, of these weights (default: this rank's own)."""
@@ -172,7 +190,8 @@ class Replica:
         """Allreduce mean over the ranks that ``keep``; equals the plain mean (bit for bit) when all do."""
         keep = self.keep
         mean = self.outgoing().clone() if keep else torch.zeros_like(self.flat)
-        self.world.allreduce_sum_(mean)
+        with self.timer.collective("masked_mean"):  # waiting for the last rank becomes idle (Timer.settle)
+            self.world.allreduce_sum_(mean)
         count = self.world.allreduce_scalar(float(keep))
         return mean.div_(count if count > 0 else self.world.size)
 

@@ -103,6 +103,9 @@ class _FunctionSignature:
 class SignatureRounds:
     """The signature rounds of one rank: signer, pending gather, clustering, and the rounds' history."""
 
+    agree = True  # every rank derives the same communities: prove it (comm.check_hashes)
+    views: Optional[List[list]] = None  # async: this rank's own community views (the same for all here)
+
     def __init__(self, cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest):
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         kind = _FunctionSignature if cfg.signature.kind in probe.KINDS else _WeightSignature
@@ -141,7 +144,7 @@ class SignatureRounds:
             counted = np.isfinite(raw).all(axis=1) & ~outliers
             disp = self.signature.dispersion(S, counted, pre) if counted.sum() >= 2 else float("nan")
             self.agreement.update(com.labels, com.Z, S, outliers, com.distances)
-        if cfg.comm.check_hashes:
+        if self.agree and cfg.comm.check_hashes:
             with self.timer("idle"):
                 self.world.agree(self.agreement.value, f"the exchange lists and communities up to t={t}")
         ari = clustering.adjusted_rand(com.labels, self.groups)

@@ -4,7 +4,10 @@ Rows are typed records (``results.MetricRow``, ``results.MergeRow``) kept on
 each rank and gathered to rank 0 as float64 blocks at every signature round, at
 checkpoints and at the end (no pickle, no per-unit collective). Rank 0 alone
 writes ``metrics.jsonl``, ``merges.jsonl``, ``consensus.jsonl``,
-``examples.jsonl``, ``rounds/`` and ``summary.json``.
+``examples.jsonl``, ``rounds/`` and ``summary.json``. Under ``protocol: async``
+there is no collective in the loop: the rows reach rank 0 at a stop and at the
+end, rank 0 writes its own view as ``rounds/``, and every rank's views go to
+``views.jsonl``.
 """
 from __future__ import annotations
 
@@ -16,20 +19,35 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ..core.clustering import adjusted_rand
 from ..core.partners import Law
-from ..results import Event, MergeRow, MetricRow, RunWriter, Summary, atomic_write_bytes, finite_or_none
+from ..results import (
+    TIME_CATEGORIES,
+    Event,
+    MergeRow,
+    MetricRow,
+    RunWriter,
+    Summary,
+    atomic_write_bytes,
+    finite_or_none,
+)
 from ..runtime.comm import World
 from .consensus import Decision
 from .example_tracker import ExampleTracker
 from .rounds import RoundResult
 from .timer import Timer
 
+# What each rank reports at the end, gathered as one float64 row per rank
+FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units") + \
+    TIME_CATEGORIES
+
 
 class RunLog:
     """One rank's log buffer; on rank 0 also the writer of the run directory."""
 
-    def __init__(self, cfg, world: World, timer: Timer, writer: Optional[RunWriter]):
+    def __init__(self, cfg, world: World, timer: Timer, writer: Optional[RunWriter], collective: bool = True):
         self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
+        self.collective = collective  # rows may be gathered at every round (false: only at a stop and the end)
         self.rank = world.rank
         self.metric_rows: List[MetricRow] = []
         self.merge_rows: List[MergeRow] = []
@@ -44,8 +62,12 @@ class RunLog:
 
     def consensus(self, row: Optional[dict]) -> None:
         """A consensus-model evaluation (rank 0 writes it; the others hold the same figures)."""
-        if row is not None and self.writer is not None:
-            self.writer.append_jsonl("consensus.jsonl", [row])
+        if row is not None:
+            self.consensus_rows([row])
+
+    def consensus_rows(self, rows: List[dict]) -> None:
+        if rows and self.writer is not None:
+            self.writer.append_jsonl("consensus.jsonl", rows)
 
     def round(self, rnd: Optional[RoundResult], law: Optional[Law], decision: Optional[Decision],
               agreement: bytes, tracker: Optional[ExampleTracker]) -> None:
@@ -53,7 +75,7 @@ class RunLog:
         self.flush()
         if rnd is None:
             return
-        if self.writer is not None:
+        if self.writer is not None:  # under async: rank 0's own view
             cc = self.cfg.clustering
             com = rnd.communities
             info = {
@@ -63,15 +85,21 @@ class RunLog:
                 "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
                 "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
                 "dispersion": finite_or_none(rnd.dispersion), "mean_update_norm": decision.update,
-                "relative_update": decision.relative_update, "ari": rnd.ari, "hash": agreement.hex(),
+                "relative_update": decision.relative_update, "ari": rnd.ari,
+                "hash": agreement.hex() if self.collective else None,
                 "outliers": np.flatnonzero(rnd.outliers).tolist() if self.cfg.robust.enabled else None,
             }
             self.writer.write_round(rnd.index, rnd.signatures.astype(np.float32), com.Z, com.labels, info)
-        if tracker is not None:
+        if tracker is not None and self.collective:
             self._examples(rnd.index, rnd.t, tracker)
 
-    def flush(self) -> None:
-        """Gather the buffered rows of every rank to rank 0, which appends them (a collective)."""
+    def flush(self, final: bool = False) -> None:
+        """Gather the buffered rows of every rank to rank 0, which appends them (a collective).
+
+        Without collectives in the loop (async) only ``final`` flushes, when every rank has drained.
+        """
+        if not (self.collective or final):
+            return
         with self.timer("idle"):
             metrics = self.world.gather_rows(self._block(self.metric_rows, MetricRow))
             merges = self.world.gather_rows(self._block(self.merge_rows, MergeRow))
@@ -110,37 +138,46 @@ class RunLog:
     # ------------------------------------------------------------------ the end
 
     def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
-               tracker: Optional[ExampleTracker]) -> Optional[Summary]:
+               tracker: Optional[ExampleTracker], views: Optional[List[list]] = None) -> Optional[Summary]:
         """Gather every rank's final figures; rank 0 writes ``consensus.pt`` and ``summary.json`` and returns it.
 
         ``run`` holds the figures every rank shares (name, units, rounds, the
         consensus model's accuracy, ...); ``test_acc`` and ``distance`` (to the
-        consensus, relative) are this rank's own.
+        consensus, relative) are this rank's own; ``views`` (async) its community views.
         """
         w = self.world
-        split = [self.timer.total[c] for c in self.timer.CATEGORIES]
-        row = np.array([[test_acc, distance, w.bytes_sent, self.timer.elapsed(), w.bytes_monitoring, w.bytes_data,
-                         *split]], dtype=np.float64)
+        mine = {"test_acc": test_acc, "distance": distance, "bytes_sent": w.bytes_sent, "wall": self.timer.elapsed(),
+                "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data, "units": run["units"],
+                **self.timer.split()}
+        row = np.array([[mine[f] for f in FINAL_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
         hard = tracker.globally_hard() if tracker is not None else np.zeros((0, 2))
         ex_rows = w.gather_rows(ex)
         hard_rows = w.gather_rows(hard)
         gathered = w.gather_rows(row)
+        view_rows = None
+        if views is not None:  # rows of (round, t, wall, N labels)
+            view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + w.size))
         if self.writer is None:
             return None
-        g = np.concatenate(gathered)
-        accs = g[:, 0]
+        g = dict(zip(FINAL_FIELDS, np.concatenate(gathered).T))  # one column per field, one entry per rank
+        accs = g["test_acc"]
         buf = io.BytesIO()
         torch.save(consensus_state, buf)
         atomic_write_bytes(self.writer.root / "consensus.pt", buf.getvalue())
+        units = [int(u) for u in g["units"]]
         summary = Summary(
-            **run, merges=self.merges_logged, rank_test_acc=accs.tolist(), best_rank_acc=float(accs.max()),
+            **{**run, "units": max(units)}, units_per_rank=units, merges=self.merges_logged,
+            rank_test_acc=accs.tolist(), best_rank_acc=float(accs.max()),
             worst_rank_acc=float(accs.min()), mean_rank_acc=float(accs.mean()),
-            consensus_distance=float(g[:, 1].mean()), bytes_sent_per_rank=[int(b) for b in g[:, 2]],
-            bytes_sent_mean=float(g[:, 2].mean()), wall_time=float(g[:, 3].max()),
-            monitoring_bytes_mean=float(g[:, 4].mean()), data_bytes_mean=float(g[:, 5].mean()),
-            time_split={c: float(g[:, 6 + k].mean()) for k, c in enumerate(self.timer.CATEGORIES)},
-            examples=self._examples_summary(ex_rows, hard_rows) if tracker is not None else None)
+            consensus_distance=float(g["distance"].mean()), bytes_sent_per_rank=[int(b) for b in g["bytes_sent"]],
+            bytes_sent_mean=float(g["bytes_sent"].mean()), wall_time=float(g["wall"].max()),
+            monitoring_bytes_mean=float(g["bytes_monitoring"].mean()), data_bytes_mean=float(g["bytes_data"].mean()),
+            time_split={c: float(g[c].mean()) for c in TIME_CATEGORIES},
+            time_split_per_rank={c: [float(x) for x in g[c]] for c in ("wall",) + TIME_CATEGORIES},
+            examples=self._examples_summary(ex_rows, hard_rows) if tracker is not None else None,
+            protocol=self.cfg.protocol,
+            view_agreement=self._views(view_rows) if view_rows is not None else None)
         self.writer.write_json("summary.json", summary.to_dict())
         return summary
 
@@ -159,11 +196,35 @@ class RunLog:
         return {**tot, "retired_fraction": tot["retired"] / total, "reserve_fraction": tot["reserve"] / total,
                 "globally_hard": int(ids.size)}
 
+    def _views(self, blocks: List[np.ndarray]) -> dict:
+        """Rank 0: views.jsonl, and how far each rank's views agreed with rank 0's at the same wall time."""
+        rows = [{"rank": r, "round": int(v[0]), "t": int(v[1]), "wall": round(float(v[2]), 4),
+                 "labels": [int(x) for x in v[3:]]} for r, block in enumerate(blocks) for v in block]
+        self.writer.append_jsonl("views.jsonl", rows)
+        return view_agreement(rows)
+
     def state_dict(self) -> dict:
         return {"merges_logged": self.merges_logged}
 
     def load_state_dict(self, state: dict) -> None:
         self.merges_logged = int(state["merges_logged"])
+
+
+def view_agreement(rows: List[dict]) -> dict:
+    """ARI of every view against rank 0's latest view at that wall time: how much the ranks' communities agreed."""
+    own = sorted((v for v in rows if v["rank"] == 0), key=lambda v: v["wall"])
+    walls = np.array([v["wall"] for v in own])
+    scores, last = [], {}
+    for v in rows:
+        if v["rank"] == 0 or not own:
+            continue
+        k = max(int(np.searchsorted(walls, v["wall"], side="right")) - 1, 0)
+        ari = adjusted_rand(np.asarray(v["labels"]), own[k]["labels"])
+        scores.append(ari)
+        last[v["rank"]] = ari
+    return {"views": len(rows), "mean_ari_vs_rank0": float(np.mean(scores)) if scores else None,
+            "min_ari_vs_rank0": float(np.min(scores)) if scores else None,
+            "final_mean_ari_vs_rank0": float(np.mean(list(last.values()))) if last else None}
 
 
 def print_summary(s: Summary, run_dir: Path) -> None:

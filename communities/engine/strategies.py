@@ -221,7 +221,7 @@ class Allreduce(Strategy):
         flat_grad = models.bind_flat_grad_(replica.model)
 
         def average_gradients() -> None:
-            with timer("exchange"):
+            with timer("exchange"), timer.collective("gradient_allreduce"):  # waits settle into idle
                 world.allreduce_mean_(flat_grad)
 
         self.grad_sync = average_gradients

@@ -1,27 +1,48 @@
-"""Where a rank's wall time goes: train, exchange, signature, idle, eval.
+"""Where a rank's wall time goes: a partition into train, exchange, signature, idle, eval and other.
+
+Two rules make the split honest:
+
+- **Exclusive nesting.** A section opened inside another (the gradient
+  Allreduce inside a training step, an exchange served while waiting on a
+  request) pauses the outer one, so no second is counted twice and the
+  categories add up to the wall time; what no section claims is ``other``
+  (checkpoints, log writes, the loop itself).
+- **Waiting is idle, whatever call it happens in.** Every rank enters a
+  collective (an Allreduce of gradients, a global average, a consensus
+  evaluation) in the same order, and all leave it together, so the rank that
+  arrived last waited least: its time is the transfer. ``settle`` takes, call by
+  call, the minimum over ranks of each collective's duration as its transfer
+  and moves the rest to ``idle``. It costs one Allreduce per call site at the
+  end, and nothing in the loop.
 
 ``summary.json``'s ``time_split`` and ``compare``'s wall columns come from here.
-The wall clock of a resumed run continues from its checkpoint, so a run's
-figures read the same whether or not it was interrupted.
+The wall clock of a resumed run continues from its checkpoint.
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
 
 from ..results import TIME_CATEGORIES
 
+MEASURED = tuple(c for c in TIME_CATEGORIES if c != "other")
+
 
 class Timer:
-    """Accumulates wall time per category, and the run's elapsed wall time."""
+    """Exclusive wall time per category, the run's elapsed wall time, and collective calls to settle."""
 
     CATEGORIES = TIME_CATEGORIES
 
     def __init__(self) -> None:
-        self.total: Dict[str, float] = {c: 0.0 for c in self.CATEGORIES}
+        self.total: Dict[str, float] = {c: 0.0 for c in MEASURED}
         self._before = 0.0  # wall time of earlier segments of a resumed run
-        self._start: float | None = None
+        self._start: Optional[float] = None
+        self._open: List[list] = []  # [category, time it last resumed]
+        self.calls: Dict[str, List[float]] = {}  # site -> durations of its collective calls, in order
+        self.call_categories: Dict[str, List[str]] = {}
 
     def start(self) -> None:
         """The loop begins: elapsed time counts from here."""
@@ -33,15 +54,72 @@ class Timer:
 
     @contextmanager
     def __call__(self, category: str) -> Iterator[None]:
-        start = time.perf_counter()
+        """Count the block's time in ``category``, pausing the enclosing section."""
+        now = time.perf_counter()
+        if self._open:
+            outer = self._open[-1]
+            self.total[outer[0]] += now - outer[1]
+        self._open.append([category, now])
         try:
             yield
         finally:
-            self.total[category] += time.perf_counter() - start
+            end = time.perf_counter()
+            cat, since = self._open.pop()
+            self.total[cat] += end - since
+            if self._open:
+                self._open[-1][1] = end
+
+    @contextmanager
+    def collective(self, site: str) -> Iterator[None]:
+        """A collective every rank calls in the same order: its duration is recorded for ``settle``.
+
+        The time stays in the enclosing category until then.
+        """
+        category = self._open[-1][0] if self._open else "idle"
+        start = time.perf_counter()
+        try:
+            with self(category):
+                yield
+        finally:
+            self.calls.setdefault(site, []).append(time.perf_counter() - start)
+            self.call_categories.setdefault(site, []).append(category)
+
+    def settle(self, world) -> float:
+        """Move each collective call's wait (its duration minus the fastest rank's) to idle; returns the total.
+
+        Every rank must call it (one Allreduce per site). A site whose call
+        counts differ between ranks is left as measured.
+        """
+        moved = 0.0
+        for site in sorted(self.calls):
+            d = np.asarray(self.calls[site], dtype=np.float64)
+            counts = world.allgather(np.array([d.size], dtype=np.int64))
+            if (counts != d.size).any():
+                continue
+            transfer = world.allreduce_array(d, "min")
+            waits = d - transfer
+            for cat, w in zip(self.call_categories[site], waits):
+                if cat != "idle":
+                    self.total[cat] -= w
+                    self.total["idle"] += w
+                    moved += w
+        self.calls.clear()
+        self.call_categories.clear()
+        return moved
+
+    def split(self) -> Dict[str, float]:
+        """The partition of the elapsed time: the measured categories, and ``other`` for the rest."""
+        out = dict(self.total)
+        out["other"] = max(0.0, self.elapsed() - sum(out.values()))
+        return out
 
     def state_dict(self) -> dict:
-        return {"total": dict(self.total), "wall": self.elapsed()}
+        return {"total": dict(self.total), "wall": self.elapsed(),
+                "calls": {k: list(v) for k, v in self.calls.items()},
+                "call_categories": {k: list(v) for k, v in self.call_categories.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.total.update(state["total"])
+        self.total.update({k: v for k, v in state["total"].items() if k in self.total})
         self._before = float(state["wall"])
+        self.calls = {k: list(v) for k, v in state.get("calls", {}).items()}
+        self.call_categories = {k: list(v) for k, v in state.get("call_categories", {}).items()}

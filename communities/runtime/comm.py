@@ -38,6 +38,10 @@ class Tag(IntEnum):
     EXAMPLE_FLOATS = 6  # ... their features and confidences
     EXAMPLE_INTS = 7  # ... their labels, ids, states and visited sets
     SEEN_AT = 8  # merge.partner_policy least_recent: the record of when the model saw each shard
+    CONTROL = 9  # protocol async: pairing messages (kind, request id, unit, flags) and stop notices
+    SIG_VERSIONS = 10  # protocol async: the versions of a rank's signature table
+    SIGNATURES = 11  # protocol async: the signature rows a partner lacks
+    VECTOR_SIZE = 12  # the length of a variable-length buffer that follows
 
 
 def _mpi():
@@ -103,6 +107,7 @@ class World:
         self._staging: Dict[Tuple[str, int, torch.dtype], torch.Tensor] = {}
         self._local_rank: Optional[int] = None
         self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort)
+        self._posted: List[Tuple[object, np.ndarray]] = []  # non-blocking sends in flight, with their buffers
 
     @contextlib.contextmanager
     def metered(self, kind: str):
@@ -203,6 +208,59 @@ class World:
         self.bytes_sent += send.nbytes
         return recv
 
+    def sendrecv_vector(self, send: np.ndarray, peer: int, tag: int) -> np.ndarray:
+        """Exchange float64 vectors whose lengths differ: the lengths first, then one Sendrecv."""
+        send = np.ascontiguousarray(send, dtype=np.float64).reshape(-1)
+        n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
+        recv = np.empty(int(n[0]), dtype=np.float64)
+        with self.watchdog.waiting(f"Sendrecv with partner rank {peer}"):
+            self.comm.Sendrecv(send, dest=peer, sendtag=tag, recvbuf=recv, source=peer, recvtag=tag)
+        self.bytes_sent += send.nbytes
+        return recv
+
+    # ---------------------------------------------------------------- small messages, polled (protocol async)
+
+    def post_ints(self, values: np.ndarray, dest: int, tag: int) -> None:
+        """A non-blocking send of a few int64; the buffer is kept until the send completes."""
+        buf = np.ascontiguousarray(values, dtype=np.int64)
+        self._posted.append((self.comm.Isend(buf, dest=dest, tag=tag), buf))
+        self.bytes_sent += buf.nbytes
+        if len(self._posted) > 64:
+            self._posted = [(r, b) for r, b in self._posted if not r.Test()]
+
+    def poll_ints(self, tag: int, count: int) -> Optional[Tuple[int, np.ndarray]]:
+        """(source, values) of one waiting message of ``count`` int64 with ``tag``, or None (Iprobe: never blocks)."""
+        status = self.MPI.Status()
+        if not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=tag, status=status):
+            return None
+        src = status.Get_source()
+        return src, self.recv_ints(src, tag, count)
+
+    def recv_ints(self, source: int, tag: int, count: int) -> np.ndarray:
+        buf = np.empty(count, dtype=np.int64)
+        with self.watchdog.waiting(f"Recv of a control message from rank {source}"):
+            self.comm.Recv(buf, source=source, tag=tag)
+        return buf
+
+    def complete_posts(self) -> None:
+        """Wait for every non-blocking send still in flight (before finalising, or a collective phase)."""
+        with self.watchdog.waiting("completion of non-blocking sends"):
+            for req, _ in self._posted:
+                req.Wait()
+        self._posted = []
+
+    def ibarrier(self):
+        """A non-blocking barrier: ``Test()`` is True once every rank has posted it."""
+        return self.comm.Ibarrier()
+
+    def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
+        """Each rank's count for every rank in, each rank's count from every rank out (int64 Alltoall)."""
+        send = np.ascontiguousarray(counts, dtype=np.int64)
+        recv = np.empty_like(send)
+        with self.watchdog.waiting("Alltoall (a collective: some rank has not arrived)"):
+            self.comm.Alltoall(send, recv)
+        return recv
+
     # ---------------------------------------------------------------- collectives
 
     def allgather(self, row: np.ndarray) -> np.ndarray:
@@ -247,6 +305,14 @@ class World:
         with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
         return float(buf[0])
+
+    def allreduce_array(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Elementwise sum, max or min over ranks of a float64 array (a copy)."""
+        buf = np.array(values, dtype=np.float64, copy=True)
+        mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
+        with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
+        return buf
 
     def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         if t.device.type != "cpu" and not self.cuda_aware:

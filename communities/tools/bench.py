@@ -610,12 +610,15 @@ def _profile_rank(args) -> int:
 def _callee_breakdown(stats, parent_name: str, depth: int = 2, min_share: float = 0.02):
     """(total s, [(level, label, s)]): callees of the function named ``parent_name``, heaviest first.
 
+    ``parent_name`` is a function name, or ``file.py:name`` to pick one of several of that name.
+
     pstats keeps caller->callee edges, not call paths, so a callee's own callees are
     listed only when that callee is called from nowhere else (otherwise their time
     could belong to another caller).
     """
     table = stats.stats
-    parents = [f for f in table if f[2] == parent_name]
+    file, _, name = parent_name.rpartition(":")
+    parents = [f for f in table if f[2] == name and (not file or Path(f[0]).name == file)]
     if not parents:
         return 0.0, []
     total = sum(table[p][3] for p in parents)
@@ -687,7 +690,7 @@ def bench_overhead(args) -> int:
                          f"{r['signature_ms_per_round']:.1f}", f"{100 * share:.2f}%",
                          f"{100 * r['signature_share_of_split']:.2f}%"])
         if args.repeat > 1:
-            rows.append([f"{name} median", "", "", "", "", "", "", "", "", "", "", "",
+            rows.append([f"{name} median", *[""] * (6 + len(TIME_CATEGORIES) + 1),
                          f"{100 * _median(shares):.2f}%", ""])
         if args.profile:
             prof_dir = root / f"{name}.profile"
@@ -699,7 +702,7 @@ def bench_overhead(args) -> int:
             files = sorted(prof_dir.glob("rank*.prof"))
             st = pstats.Stats(*[str(f) for f in files])
             profiles[name] = {"ranks": len(files)}
-            for fn in ("_signature_round", "find_communities"):
+            for fn in ("rounds.py:run", "find_communities"):
                 tot, lines = _callee_breakdown(st, fn, depth=args.profile_depth)
                 profiles[name][fn] = {
                     "s_per_rank": tot / max(1, len(files)),
@@ -708,14 +711,14 @@ def bench_overhead(args) -> int:
     print("bench overhead: real engine runs (" + " ".join(launcher) + "); time_split = mean over ranks (s), "
           f"wall = slowest rank's loop (s), from summary.json; {machine}")
     print()
-    print(_fmt_table(["run", "ranks", "units", "rounds", "wall s", "launch s", "train", "exchange", "signature",
-                      "idle", "eval", "sig ms/round", "sig / wall", "sig / split"], rows))
+    print(_fmt_table(["run", "ranks", "units", "rounds", "wall s", "launch s", *TIME_CATEGORIES,
+                      "sig ms/round", "sig / wall", "sig / split"], rows))
     print()
-    print("signature = the 'signature' stopwatch of _signature_round: sketch + clustering (linkage, cut) + partner "
-          "law + dispersion + digest; the allgathers and the hash check are 'idle'. launch s = mpiexec start to "
-          "exit (process start, imports, data, writing). Target: sig / wall <= 2%.")
+    print("signature = the 'signature' time of a signature round (engine/rounds.py): sketch + clustering "
+          "(linkage, cut) + dispersion + digest; the allgathers and the hash check are 'idle'. launch s = mpiexec "
+          "start to exit (process start, imports, data, writing). Target: sig / wall <= 2%.")
     for name, p in profiles.items():
-        for fn in ("_signature_round", "find_communities"):
+        for fn in ("rounds.py:run", "find_communities"):
             print()
             print(f"profile of {name} (one more run, under cProfile, so slower than the rows above): {fn}, "
                   f"cumulative s per rank (mean of {p['ranks']} ranks): {p[fn]['s_per_rank']:.3f} s in all")
@@ -842,7 +845,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-root", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs per config")
     p.add_argument("--profile", action="store_true",
-                   help="one more run with cProfile on every rank; break down _signature_round")
+                   help="one more run with cProfile on every rank; break down the signature rounds "
+                        "(engine/rounds.py run)")
     p.add_argument("--profile-depth", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
 

@@ -58,14 +58,16 @@ def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Option
 
 
 def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg, seed: int,
-               rank: int, t: int, steps: Optional[int] = None, grad_sync: Optional[Callable[[], None]] = None
-               ) -> UnitResult:
+               rank: int, t: int, steps: Optional[int] = None, grad_sync: Optional[Callable[[], None]] = None,
+               between_batches: Optional[Callable[[int], None]] = None) -> UnitResult:
     """Train one unit; returns mean loss and accuracy over the unit's batches.
 
     ``steps`` fixes the number of steps (else one epoch, or ``cfg.steps_per_unit``
     in step mode). ``grad_sync`` runs between backward and the optimizer step
     (the allreduce strategy averages gradients there); gradients are then kept
     as tensors, not set to None, so a flat gradient buffer stays bound.
+    ``between_batches(k)`` runs after the k-th optimizer step: where the
+    asynchronous protocol serves its partners, and where injected slowdowns sleep.
     """
     model.train()
     if steps is None and cfg.unit == "steps":
@@ -90,6 +92,8 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
         correct += (out.detach().argmax(1) == yb).sum()
         seen += len(idx)
         n_steps += 1
+        if between_batches is not None:
+            between_batches(n_steps)
     seen_f = max(seen, 1)
     return UnitResult(float(total_loss) / seen_f, float(correct) / seen_f, seen, n_steps)
 

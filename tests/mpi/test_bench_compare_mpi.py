@@ -84,7 +84,7 @@ def test_bench_overhead_on_a_tiny_run(tiny_config, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "sig / wall" in text and "profile of tiny" in text
     (r,) = json.loads((tmp_path / "ovh.json").read_text())["results"]
-    assert set(r["time_split"]) == {"train", "exchange", "signature", "idle", "eval"}
+    assert set(r["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other"}
     assert 0 <= r["signature_share_of_wall"] < 1
 
 

@@ -1,0 +1,218 @@
+"""The asynchronous mixer (``protocol: async``): every rank at its own pace, merges served between batches.
+
+A rank trains its units without waiting for anyone. When its merge timer fires
+(K ~ 1 + Poisson(lambda - 1) of its *own* units) it draws a partner from its own
+current law and sends a small request; the partner serves it at its next batch
+boundary ("W2 pauses"), and the pair does the same symmetric exchange and merge
+rule as under the virtual clock, so an exchange still conserves the mean. Who
+may serve whom is ``core/rendezvous.py``'s rule, which cannot deadlock. The
+exchange also carries signatures: each rank keeps a versioned table of everyone's
+(``core/gossip_table.py``) and passes on what it knows that its partner does not.
+
+Polling uses ``Iprobe`` between batches and in the waits, so the default MPI
+thread level suffices. A done rank serves until every rank is done (a polled
+``Ibarrier``); then the control messages still in flight are drained (their
+counts are exchanged with one ``Alltoall``), and the run ends as under the
+virtual clock.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ..core import partners, protocol
+from ..core.gossip_table import GossipTable
+from ..core.protocol import RunningDigest
+from ..core.rendezvous import SIGNATURES_ONLY, Exchange, Kind, Message, Outcome, Rendezvous
+from ..results import Event, MergeRow
+from ..runtime.comm import Tag, World
+from .mixer import Mixer
+from .replica import Replica
+from .timer import Timer
+
+RETRIES = 2  # after a BUSY answer, draw another partner this many times before giving the merge up
+CONTROL_WIDTH = 4  # int64 per control message: kind, request id, the sender's unit, flags
+POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3  # back-off between polls while waiting (no busy loop stealing a core)
+
+
+class AsyncMixer(Mixer):
+    """The asynchronous mixer of one rank."""
+
+    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest,
+                 table: GossipTable, snapshots=None):
+        super().__init__(cfg, world, timer, replica, agreement)
+        self.table, self.snapshots = table, snapshots
+        timeout = cfg.comm.timeout if cfg.comm.timeout > 0 else math.inf
+        self.rz = Rendezvous(self.rank, timeout)
+        self.t = 0  # this rank's unit
+        self.next_fire = protocol.merge_interval(cfg.seed, 0, self.rank, cfg.merge.lam)
+        self.sent_to = np.zeros(self.n, dtype=np.int64)  # control messages posted to each rank
+        self.got_from = np.zeros(self.n, dtype=np.int64)  # ... and read from each
+        self.stop_received = False
+        self._stop_sent = False
+        self._own_end: Optional[Tuple[str, int]] = None  # how this rank's latest request ended
+        self._barrier = None  # the Ibarrier of the done phase, once posted
+
+    # ------------------------------------------------------------------ what the loop asks
+
+    @property
+    def between_batches(self):
+        return self.serve
+
+    def mix(self, t: int) -> List[MergeRow]:
+        """After unit t: serve what waits, then start this rank's merge if its timer fires."""
+        self.t = t
+        self.seen_at[self.rank] = t
+        self.serve()
+        if t >= self.next_fire:
+            self.next_fire = t + protocol.merge_interval(self.cfg.seed, t, self.rank, self.cfg.merge.lam)
+            self._initiate(t)
+        events, self._events = self._events, []
+        return events
+
+    def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[str]:
+        """A stop asked here (broadcast to every rank, once) or heard from another rank; or the wall budget."""
+        if signal and not self._stop_sent:
+            for r in range(self.n):
+                if r != self.rank:
+                    self._post(Message(Kind.STOP, r, 0, t))
+            self._stop_sent = True
+        if signal or self.stop_received:
+            return "signal"
+        budget = self.cfg.train.wall_budget
+        return "budget" if budget is not None and self.timer.elapsed() >= budget else None
+
+    def drain(self) -> None:
+        """Serve until every rank is done (a polled Ibarrier), then read what is still addressed to this rank."""
+        if self._barrier is None:
+            self._barrier = self.world.ibarrier()
+            self._wait(lambda: self._barrier.Test(), "Ibarrier: every rank done")
+        expected = self.world.alltoall_counts(self.sent_to)
+        for src in np.flatnonzero(self.got_from < expected):
+            for _ in range(int(expected[src] - self.got_from[src])):
+                self.world.recv_ints(int(src), Tag.CONTROL, CONTROL_WIDTH)  # stale: its exchange is over
+        self.got_from[:] = expected
+        self.world.complete_posts()
+
+    # ------------------------------------------------------------------ serving
+
+    def serve(self) -> None:
+        """Read every control message waiting; then, holding an offer, wait for its GO or NO."""
+        self._poll_once()
+        if self.rz.offer is not None and self.rz.request is None:
+            self._wait(lambda: self.rz.offer is None, "GO or NO after an ACK")
+
+    def _poll_once(self) -> None:
+        while True:
+            got = self.world.poll_ints(Tag.CONTROL, CONTROL_WIDTH)
+            if got is None:
+                break
+            src, a = got
+            self.got_from[src] += 1
+            kind = Kind(int(a[0]))
+            if kind == Kind.STOP:
+                self.stop_received = True
+                continue
+            msg = Message(kind, src, int(a[1]), int(a[2]), int(a[3]))
+            self._act(self.rz.receive(msg, time.monotonic(), self.t))
+        self._act(self.rz.tick(time.monotonic()))
+        if self._barrier is not None and self.rz.offer is not None and self._barrier.Test():
+            self.rz.offer = None  # every rank is done: nobody will send the GO
+        if self.snapshots is not None:
+            self.snapshots.maybe(self.timer.elapsed(), self.replica.flat, self.t)
+
+    def _wait(self, done, what: str) -> None:
+        """Poll (serving) until ``done()``; the time counts as idle."""
+        pause = POLL_MIN_S
+        with self.timer("idle"):
+            while not done():
+                self._poll_once()
+                if done():
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_MAX_S)
+
+    def _act(self, out: Outcome) -> None:
+        for m in out.send:
+            self._post(m)
+        if out.ended is not None:
+            self._own_end = out.ended
+        if out.exchange is not None:
+            self._run_exchange(out.exchange)
+
+    def _post(self, m: Message) -> None:
+        self.world.post_ints(np.array([int(m.kind), m.rid, m.unit, m.flags], dtype=np.int64), m.peer, Tag.CONTROL)
+        self.sent_to[m.peer] += 1
+
+    # ------------------------------------------------------------------ requesting
+
+    def _initiate(self, t: int) -> None:
+        """Ask partners drawn from this rank's law until one exchange happens, a BUSY retry limit, or a timeout."""
+        tried = np.zeros(self.n, dtype=bool)
+        for _ in range(1 + RETRIES):
+            target, flags = self._draw(t, tried)
+            if target is None:
+                return
+            self._own_end = None
+            self._post(self.rz.ask(target, time.monotonic(), t, flags))
+            self._wait(lambda: self.rz.idle, f"an answer from rank {target}")
+            reason, partner = self._own_end or ("exchanged", target)
+            if reason == "busy":
+                tried[partner] = True
+                self._events.append(MergeRow(t, self.rank, partner, self.rank, 0.0, 0.0, float("nan"), 0,
+                                             int(Event.BUSY)))
+                continue
+            if reason == "timeout":
+                self._events.append(MergeRow(t, self.rank, partner, self.rank, 0.0, 0.0, float("nan"), 0,
+                                             int(Event.TIMEOUT)))
+                print(f"communities: rank {self.rank} at t={t}: rank {partner} did not answer within "
+                      f"comm.timeout={self.cfg.comm.timeout:g}s; skipped", flush=True)
+            return
+
+    def _draw(self, t: int, tried: np.ndarray) -> Tuple[Optional[int], int]:
+        """This rank's partner at t (not a tried or excluded one), and the request's flags."""
+        excluded = self.excluded | tried
+        plan = self.strategy.exchanges(t, np.array([self.rank]), excluded)
+        if plan:
+            return plan[0][1], 0
+        if self.strategy.law(t) is not None:
+            return None, 0  # nobody eligible
+        # the community law needs a complete signature table: until then, spread signatures with anyone
+        p = np.where(excluded, 0.0, partners.uniform_probabilities(self.n, self.rank))
+        if not p.sum() > 0:
+            return None, 0
+        j = partners.draw(p / p.sum(), protocol.rng(self.cfg.seed, protocol.Purpose.PARTNER, t, self.rank))
+        return j, SIGNATURES_ONLY
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _run_exchange(self, ex: Exchange) -> None:
+        if not ex.flags & SIGNATURES_ONLY:
+            self.exchange(self.t, ex.partner, ex.initiator, rule_t=min(self.t, ex.partner_unit))
+        self._swap_signatures(ex.partner)
+        if ex.initiator == self.rank:
+            self._own_end = ("exchanged", ex.partner)
+
+    def _swap_signatures(self, partner: int) -> None:
+        """Versions first; then each side sends the rows it holds newer than the other's (bounded)."""
+        with self.timer("exchange"):
+            theirs = self.world.sendrecv_array(self.table.versions, partner, tag=Tag.SIG_VERSIONS)
+            cap = self.cfg.signature.gossip_rows
+            packet = self.table.pack(self.table.newer_than(theirs, cap))
+            incoming = self.world.sendrecv_vector(packet, partner, tag=Tag.SIGNATURES)
+            try:
+                self.table.merge(incoming)
+            except ValueError as exc:
+                raise RuntimeError(f"rank {self.rank}: bad signature packet from rank {partner}: {exc}") from exc
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "next_fire": self.next_fire}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.next_fire = int(state["next_fire"])

@@ -1,0 +1,40 @@
+"""The two protocols as sets of parts: which rounds, mixer and consensus a run is built from.
+
+``virtual_clock`` (the default): every rank walks the same exchange lists and
+signature rounds are collectives; deterministic and bitwise resumable.
+``async``: each rank at its own pace; merges by request, served between
+batches; signatures spread by gossip; no collective in the loop. The loop
+(``loop.py``) is the same for both: it asks the parts.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..core.protocol import RunningDigest
+from ..runtime.comm import World
+from .async_mixer import AsyncMixer
+from .consensus import AsyncConsensus, Consensus
+from .gossip_rounds import GossipRounds
+from .mixer import Mixer
+from .replica import Replica
+from .rounds import SignatureRounds
+from .timer import Timer
+
+
+class Parts(NamedTuple):
+    rounds: SignatureRounds
+    mixer: Mixer
+    consensus: Consensus
+    collective_log: bool  # may the run log gather rows at every round?
+
+
+def build(cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest) -> Parts:
+    """The protocol-specific parts of a run (every rank calls it: set-up collectives)."""
+    if cfg.protocol == "async":
+        rounds = GossipRounds(cfg, world, timer, replica, agreement)
+        consensus = AsyncConsensus(cfg, world, timer, replica)
+        mixer = AsyncMixer(cfg, world, timer, replica, agreement, rounds.table, consensus.snapshots)
+        return Parts(rounds, mixer, consensus, collective_log=False)
+    rounds = SignatureRounds(cfg, world, timer, replica, agreement)
+    return Parts(rounds, Mixer(cfg, world, timer, replica, agreement), Consensus(cfg, world, timer, replica),
+                 collective_log=True)
