@@ -1,4 +1,4 @@
-"""Tests for ``communities inspect`` (communities/report/inspection.py).
+"""Tests for ``communities inspect`` (communities/report/: load.py, figures.py, html.py, inspection.py).
 
 Why these: the inspection tool is what users run on a login node after a run, so
 it must read exactly the results layout (synthetic runs written by
@@ -25,13 +25,13 @@ import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-from communities.report import inspection  # noqa: E402
-from communities.report.inspection import (  # noqa: E402
+from communities.report import figures, load  # noqa: E402
+from communities.report.figures import plot_dendrogram  # noqa: E402
+from communities.report.inspection import main_inspect  # noqa: E402
+from communities.report.load import (  # noqa: E402
     compress_counts,
     load_view,
-    main_inspect,
     merge_counts,
-    plot_dendrogram,
     select_rounds,
     stable_labels,
 )
@@ -260,8 +260,8 @@ def test_cophenetic_and_ari_equal_scipy_and_sklearn(tmp_path, method, metric):
         assert view.ari[k] == pytest.approx(adjusted_rand_score(groups, lab), abs=1e-12)
         aris.append(view.ari[k])
     assert aris[0] == pytest.approx(1.0) and min(aris) < 0.5  # the numbers are not all trivial
-    assert inspection.cophenetic_correlation(Z, sig, metric) == pytest.approx(cophenet(Z, pdist(sig, metric))[0])
-    assert inspection.adjusted_rand(lab, None) is None
+    assert load.cophenetic_correlation(Z, sig, metric) == pytest.approx(cophenet(Z, pdist(sig, metric))[0])
+    assert load.adjusted_rand(lab, None) is None
 
 
 # --------------------------------------------------------------------------- big trees
@@ -288,7 +288,7 @@ def test_dendrogram_of_2048_leaves_never_hits_the_recursion_limit():
     groups = np.arange(2048) % 4
     ax = Figure().add_subplot()
     R = plot_dendrogram(ax, Z, groups=groups, cut_height=100.0)  # default: truncated
-    assert len(R["ivl"]) == inspection.TRUNCATE_P
+    assert len(R["ivl"]) == figures.TRUNCATE_P
     ax = Figure().add_subplot()
     R = plot_dendrogram(ax, Z, groups=groups, max_leaves=None)  # full tree, 2048 leaves
     assert len(R["ivl"]) == 2048
@@ -550,7 +550,7 @@ def test_compare_runs_with_the_same_name_get_distinct_labels(tmp_path):
     a = make_run(tmp_path / "seed0" / "run", n_ranks=6, n_rounds=3, groups=2, seed=0)
     b = make_run(tmp_path / "seed1" / "run", n_ranks=6, n_rounds=3, groups=2, seed=1)
     views = [load_view(a), load_view(b)]
-    inspection._disambiguate(views)
+    load.disambiguate(views)
     assert views[0].label != views[1].label
     out = tmp_path / "cmp"
     assert main_inspect([str(a), str(b), "--out", str(out), "--last", "--no-svg"]) == 0

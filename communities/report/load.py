@@ -1,0 +1,504 @@
+"""Run directories read into views for ``communities inspect``, and the pure helpers on them.
+
+This part of the report reads only the results layout (docs/results-layout.md)
+through ``communities.results`` and uses numpy and scipy; it never imports torch,
+mpi4py or matplotlib, so a run can be read (and its terminal summary printed) on a
+login node. ``load_view`` reads one run directory into a ``RunView``: every series
+the figures (``figures.py``) and the HTML report (``html.py``) draw, derived once.
+
+Partial runs (killed mid-way) are read up to their last complete round; a missing
+or damaged file raises a ``ResultsError`` naming it (the command line turns it into
+one line and exit status 2). Two kinds of damage only warn (naming the file, in
+``RunView.notes``) and the rest is read: a ``round_NNNN`` directory that lacks a
+file (rounds are renamed into place whole, so it is left out), and damage in the
+last round of a run that did not finish (the tail of the crash). Hidden
+``.round_*`` temporaries, rounds still being built, are skipped silently.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+from scipy.cluster import hierarchy
+from scipy.optimize import linear_sum_assignment
+from scipy.spatial.distance import pdist
+
+from ..core.clustering import adjusted_rand
+from ..results import ResultsError, Run, load_round, open_run
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def _first_appearance(labels: np.ndarray) -> np.ndarray:
+    """Codes 0.. in order of first appearance by rank, so equal partitions get equal codes."""
+    labels = np.asarray(labels).ravel()
+    if labels.size == 0:
+        return labels.astype(np.int64)
+    _, first, inv = np.unique(labels, return_index=True, return_inverse=True)
+    code = np.empty(first.size, dtype=np.int64)
+    code[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return code[inv.ravel()]
+
+
+def stable_labels(label_arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Community ids that persist across rounds (rounds x N), so a timeline shows splits and merges.
+
+    Raw labels are renumbered every round, so colouring by them would make
+    communities flicker. Round 0 keeps its labels (renumbered by first appearance).
+    Each later round is matched to the previous round's ids by maximum total overlap
+    (``linear_sum_assignment`` on the contingency table):
+
+    - a matched community keeps the id it overlaps;
+    - an unmatched one (the smaller part of a split, or one with no overlap) gets a
+      fresh id, never used before;
+    - when communities merge, the merged one keeps the id of the part it overlaps
+      most; the other id ends.
+
+    Ties go to the older (smaller) id and to the community holding the lowest rank,
+    so the result is a deterministic function of the inputs.
+    """
+    arrays = [np.asarray(a).ravel() for a in label_arrays]
+    if not arrays:
+        return np.zeros((0, 0), dtype=np.int64)
+    n = arrays[0].size
+    for r, a in enumerate(arrays):
+        if a.size != n:
+            raise ValueError(f"round {r} labels {a.size} ranks, round 0 labels {n}")
+    out = np.empty((len(arrays), n), dtype=np.int64)
+    out[0] = _first_appearance(arrays[0])
+    next_id = int(out[0].max()) + 1 if n else 0
+    for r in range(1, len(arrays)):
+        prev_ids, prev_code = np.unique(out[r - 1], return_inverse=True)
+        cur = _first_appearance(arrays[r])
+        n_prev, n_cur = prev_ids.size, int(cur.max()) + 1 if n else 0
+        overlap = np.zeros((n_prev, n_cur), dtype=np.int64)
+        np.add.at(overlap, (prev_code.ravel(), cur), 1)
+        # A tie-break below one unit of overlap in total: it never changes the total
+        # overlap, only which of the equally good matchings is chosen.
+        k = min(n_prev, n_cur) + 1
+        tie = (np.arange(n_prev)[:, None] * n_cur + np.arange(n_cur)[None, :] + 1) / ((n_prev * n_cur + 1) * k)
+        rows, cols = linear_sum_assignment(overlap - tie, maximize=True)
+        new_id = np.full(n_cur, -1, dtype=np.int64)
+        for p, c in zip(rows, cols):
+            if overlap[p, c] > 0:
+                new_id[c] = prev_ids[p]
+        for c in range(n_cur):
+            if new_id[c] < 0:
+                new_id[c] = next_id
+                next_id += 1
+        out[r] = new_id[cur]
+    return out
+
+
+def cophenetic_correlation(Z: np.ndarray, signatures: np.ndarray, metric: str) -> float:
+    """How faithfully the tree keeps the signatures' own distances (scipy ``cophenet``); NaN if undefined."""
+    Y = pdist(np.asarray(signatures), metric=metric)
+    if Y.size < 2 or not np.all(np.isfinite(Y)):
+        return float("nan")
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c, _ = hierarchy.cophenet(np.asarray(Z, dtype=np.float64), Y)
+    return float(c)
+
+
+def compress_counts(values: Sequence[int]) -> str:
+    """Run-length text of communities per round: [4,4,4,3,1,1] -> '4x3, 3x1, 1x2'."""
+    parts: List[str] = []
+    prev, count = None, 0
+    for v in values:
+        if v == prev:
+            count += 1
+            continue
+        if prev is not None:
+            parts.append(f"{prev}x{count}")
+        prev, count = v, 1
+    if prev is not None:
+        parts.append(f"{prev}x{count}")
+    return ", ".join(parts)
+
+
+def merge_counts(rows: Sequence[dict], n: int) -> np.ndarray:
+    """N x N symmetric count of exchanges per pair, each exchange counted once.
+
+    merges.jsonl holds one line per side, (i, j) and (j, i); an exchange is keyed by
+    (t, pair, initiator), so it counts once even when one side's line is missing
+    (a torn tail). Only ``event == "merge"`` lines count (skips and resets do not).
+    """
+    keys = set()
+    for r in rows:
+        if r.get("event", "merge") != "merge":
+            continue
+        i, j = int(r["i"]), int(r["j"])
+        if i == j:
+            continue
+        lo, hi = (i, j) if i < j else (j, i)
+        keys.add((int(r["t"]), lo, hi, r.get("initiator")))
+    M = np.zeros((n, n), dtype=np.int64)
+    if keys:
+        pairs = np.array([(k[1], k[2]) for k in keys], dtype=np.int64)
+        np.add.at(M, (pairs[:, 0], pairs[:, 1]), 1)
+        M = M + M.T
+    return M
+
+
+def select_rounds(
+    available: Sequence[int],
+    rounds: Optional[Sequence[int]] = None,
+    every: Optional[int] = None,
+    last: bool = False,
+    cap: Optional[int] = None,
+) -> Tuple[List[int], str]:
+    """Which rounds get a dendrogram, and a sentence saying which were drawn.
+
+    ``rounds`` (round numbers), ``every`` (every K-th saved round, from the first)
+    and ``last`` are combined as a union. Without any of them: every round (so that
+    every signature round can be read), or, when ``cap`` is given and there are
+    more than ``cap + 2`` rounds, the first, the last and ``cap`` evenly spaced
+    between (the comparison report uses ``cap=0``: first and last). Raises
+    ValueError for a requested round that was not saved.
+    """
+    available = list(available)
+    if not available:
+        return [], "no complete signature rounds"
+    chosen = set()
+    explicit = bool(rounds) or bool(every) or last
+    for r in rounds or []:
+        if r not in available:
+            raise ValueError(
+                f"--round {r}: no such complete round "
+                f"(saved rounds: {available[0]}..{available[-1]}, {len(available)} in all)"
+            )
+        chosen.add(r)
+    if every:
+        chosen.update(available[::every])
+    if last:
+        chosen.add(available[-1])
+    if explicit:
+        picked = sorted(chosen)
+        return picked, f"dendrograms for {len(picked)} of {len(available)} rounds (as selected): {_ranges(picked)}"
+    if cap is None or len(available) <= cap + 2:
+        more = " (pick fewer with --every K, --round N or --last)" if len(available) > 1 else ""
+        return available, f"dendrograms for all {len(available)} rounds{more}"
+    pos = np.unique(np.round(np.linspace(0, len(available) - 1, cap + 2)).astype(int))
+    picked = [available[p] for p in pos]
+    between = f" and {len(picked) - 2} evenly spaced between" if len(picked) > 2 else ""
+    return picked, (
+        f"dendrograms for {len(picked)} of {len(available)} rounds: the first, the last{between}: "
+        f"{_ranges(picked)} (choose with --round N, --every K or --last; --every 1 draws all)"
+    )
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """Round numbers as text: [0, 1, 2, 5, 7, 8] -> 'rounds 0-2, 5, 7-8'."""
+    parts: List[str] = []
+    values = sorted(int(v) for v in values)
+    k = 0
+    while k < len(values):
+        j = k
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[k]) if j == k else f"{values[k]}-{values[j]}")
+        k = j + 1
+    return ("round " if len(values) == 1 else "rounds ") + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Turn malformed content (a missing key, a wrong type) into a ResultsError naming the file."""
+    try:
+        yield
+    except ResultsError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        detail = f"missing field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ResultsError(f"{path}: damaged ({detail})") from None
+
+
+def _num(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+@dataclass
+class RunView:
+    """Everything the report needs from one run directory, read and derived once."""
+
+    run: Run
+    label: str
+    name: str
+    strategy: str
+    n: int
+    groups: Optional[np.ndarray]
+    infos: List[dict] = field(default_factory=list)
+    round_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
+    round_t: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
+    labels: List[np.ndarray] = field(default_factory=list)
+    Zs: List[np.ndarray] = field(default_factory=list)
+    n_comm: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
+    cophenetic: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    ari: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    stable: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
+    metric_t: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
+    test_acc: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T, NaN where no eval
+    bytes_sent: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T, cumulative
+    consensus_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    consensus_acc: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    merge_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    merge_norm: np.ndarray = field(default_factory=lambda: np.zeros(0))  # mean update norm per t
+    merge_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        return self.run.path
+
+    def series(self, key: str) -> np.ndarray:
+        """A round.json field over rounds, NaN where null or absent."""
+        return np.array([_num(i.get(key)) for i in self.infos], dtype=float)
+
+
+def _check_round(rnd, n: int) -> None:
+    """Shapes the layout promises; a mismatch names the file rather than failing later in scipy."""
+    p = rnd.path  # round.json itself (an object with integer round and t) is checked by load_round
+    sig = rnd.signatures
+    if sig.ndim != 2 or sig.shape[0] != n or not np.issubdtype(sig.dtype, np.number):
+        raise ResultsError(f"{p / 'signatures.npy'}: shape {sig.shape} {sig.dtype}, expected ({n}, d) numbers")
+    Z = rnd.Z
+    if Z.ndim != 2 or Z.shape != (n - 1, 4) or not np.issubdtype(Z.dtype, np.number):
+        raise ResultsError(f"{p / 'Z.npy'}: shape {Z.shape} {Z.dtype}, expected a ({n - 1}, 4) linkage of {n} ranks")
+    rnd.Z = Z.astype(np.float64, copy=False)
+    try:
+        if n > 1:  # a world of one has an empty tree, which scipy calls invalid
+            hierarchy.is_valid_linkage(rnd.Z, throw=True, name="Z")
+    except (ValueError, TypeError) as exc:
+        raise ResultsError(f"{p / 'Z.npy'}: not a valid linkage matrix ({exc})") from None
+    lab = rnd.labels
+    if lab.shape != (n,) or not np.issubdtype(lab.dtype, np.integer):
+        raise ResultsError(f"{p / 'labels.npy'}: shape {lab.shape} {lab.dtype}, expected ({n},) integers")
+
+
+def load_view(path: Path) -> RunView:
+    """Open a (possibly partial) run and derive every series the report draws. Raises ResultsError."""
+    view = _open_view(Path(path))
+    _read_rounds(view)
+    _read_metrics(view)
+    _read_consensus(view)
+    _read_merges(view)
+    return view
+
+
+def _open_view(path: Path) -> RunView:
+    """The run's JSON files checked, its world size, planted groups and label: a view with no series yet."""
+    run = open_run(path)
+    meta_p = path / "meta.json"
+    for fname, obj in (("meta.json", run.meta), ("partition.json", run.partition), ("summary.json", run.summary)):
+        if obj is not None and not isinstance(obj, dict):
+            raise ResultsError(f"{path / fname}: damaged (expected a JSON object, got {type(obj).__name__})")
+    if not isinstance(run.config, dict):
+        raise ResultsError(f"{path / 'config.yaml'}: damaged (expected a mapping, got {type(run.config).__name__})")
+    with _reading(meta_p):
+        n = int(run.meta["world_size"])
+        if n < 1:
+            raise ValueError(f"world_size {n} < 1")
+    groups = None
+    with _reading(path / "partition.json"):
+        if run.partition.get("groups") is not None:
+            groups = np.asarray(run.partition["groups"], dtype=np.int64)
+            if groups.shape != (n,):
+                raise ValueError(f"'groups' has {groups.size} entries for {n} ranks")
+    summary = run.summary or {}
+    name = str(summary.get("name") or run.config.get("name") or path.name)
+    strategy = str(run.meta.get("strategy") or run.config.get("strategy") or summary.get("strategy") or "?")
+    return RunView(run=run, label=f"{name} ({strategy})", name=name, strategy=strategy, n=n, groups=groups)
+
+
+def _read_rounds(view: RunView) -> None:
+    """Every complete round: labels, trees, community counts, cophenetic correlation, ARI, stable ids."""
+    run, n, groups = view.run, view.n, view.groups
+    clustering = run.config.get("clustering")
+    cfg_metric = clustering.get("metric") if isinstance(clustering, dict) else None
+    infos, idx, ts, labels, Zs, ncomm, coph, aris = [], [], [], [], [], [], [], []
+    view.notes.extend(run.problems)  # round directories with a missing file: named, left out
+    for pos, rp in enumerate(run.round_paths):
+        try:
+            rnd = load_round(rp)
+            _check_round(rnd, n)
+        except ResultsError as exc:
+            # A run that did not finish is read up to its last complete round: damage in its very
+            # last round directory is the tail of the crash, not a reason to refuse the rest.
+            if pos == len(run.round_paths) - 1 and not run.complete:
+                view.notes.append(f"{one_line(exc)}; the run did not finish (status "
+                                  f"{run.meta.get('status', '?')}), so it is read up to the round before")
+                break
+            raise
+        info = rnd.info
+        metric = str(info.get("metric") or cfg_metric or "cosine")
+        with _reading(rp / "round.json"):  # shapes are checked, so pdist can only object to the metric
+            c = cophenetic_correlation(rnd.Z, rnd.signatures, metric)
+        a = adjusted_rand(rnd.labels, groups)
+        k = int(np.unique(rnd.labels).size)
+        if info.get("n_communities") is not None and int(info["n_communities"]) != k:
+            view.notes.append(f"{rp / 'round.json'}: n_communities={info['n_communities']} but labels.npy has {k}")
+        if a is not None and info.get("ari") is not None and abs(float(info["ari"]) - a) > 1e-6:
+            view.notes.append(f"{rp / 'round.json'}: ari={float(info['ari']):.4f} but recomputed {a:.4f}")
+        infos.append(info)
+        idx.append(int(info["round"]))
+        ts.append(int(info["t"]))
+        labels.append(rnd.labels)
+        Zs.append(rnd.Z)
+        ncomm.append(k)
+        coph.append(c)
+        aris.append(float("nan") if a is None else a)
+    view.infos, view.labels, view.Zs = infos, labels, Zs
+    view.round_idx = np.asarray(idx, dtype=np.int64)
+    view.round_t = np.asarray(ts, dtype=np.int64)
+    view.n_comm = np.asarray(ncomm, dtype=np.int64)
+    view.cophenetic = np.asarray(coph, dtype=float)
+    view.ari = np.asarray(aris, dtype=float)
+    view.stable = stable_labels(labels) if labels else np.zeros((0, n), dtype=np.int64)
+
+
+def _read_metrics(view: RunView) -> None:
+    """metrics.jsonl as N x T tables of test accuracy and cumulative bytes sent."""
+    n = view.n
+    with _reading(view.path / "metrics.jsonl"):
+        rows = [r for r in view.run.metrics() if int(r["rank"]) >= 0]
+        if rows:
+            t = np.fromiter((int(r["t"]) for r in rows), dtype=np.int64, count=len(rows))
+            rank = np.fromiter((int(r["rank"]) for r in rows), dtype=np.int64, count=len(rows))
+            if rank.max() >= n:
+                raise ValueError(f"rank {int(rank.max())} outside world size {n}")
+            acc = np.fromiter((_num(r.get("test_acc")) for r in rows), dtype=float, count=len(rows))
+            byt = np.fromiter((_num(r.get("bytes_sent")) for r in rows), dtype=float, count=len(rows))
+            view.metric_t, col = np.unique(t, return_inverse=True)
+            view.test_acc = np.full((n, view.metric_t.size), np.nan)
+            view.bytes_sent = np.full((n, view.metric_t.size), np.nan)
+            view.test_acc[rank, col] = acc
+            view.bytes_sent[rank, col] = byt
+
+
+def _read_consensus(view: RunView) -> None:
+    """consensus.jsonl: the consensus model's test accuracy over t."""
+    with _reading(view.path / "consensus.jsonl"):
+        rows = [r for r in view.run.consensus_evals() if r.get("test_acc") is not None]
+        view.consensus_t = np.array([int(r["t"]) for r in rows], dtype=float)
+        view.consensus_acc = np.array([float(r["test_acc"]) for r in rows], dtype=float)
+
+
+def _read_merges(view: RunView) -> None:
+    """merges.jsonl: exchanges per pair and the mean merge update norm per t."""
+    with _reading(view.path / "merges.jsonl"):
+        rows = [r for r in view.run.merges() if r.get("event", "merge") == "merge"]
+        view.merge_matrix = merge_counts(rows, view.n)
+        norm_rows = [(int(r["t"]), float(r["update_norm"])) for r in rows if r.get("update_norm") is not None]
+        if norm_rows:
+            arr = np.asarray(norm_rows, dtype=float)
+            ut, inv = np.unique(arr[:, 0], return_inverse=True)
+            view.merge_t = ut
+            view.merge_norm = np.bincount(inv, weights=arr[:, 1]) / np.bincount(inv)
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def disambiguate(views: Sequence[RunView]) -> None:
+    """Legend labels must differ: add the directory when two runs share name and strategy."""
+    seen: Dict[str, int] = {}
+    for v in views:
+        seen[v.label] = seen.get(v.label, 0) + 1
+    for v in views:
+        if seen[v.label] > 1:
+            v.label = f"{v.label} [{v.path.resolve().parent.name}/{v.path.resolve().name}]"
+    seen = {}
+    for k, v in enumerate(views, 1):
+        if v.label in seen:
+            v.label = f"{v.label} #{k}"
+        seen[v.label] = 1
+
+
+# --------------------------------------------------------------------------- text
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return str(x).lower()
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    if isinstance(x, (float, np.floating)):
+        if not math.isfinite(x):
+            return "-"
+        if x != 0 and (abs(x) >= 1e5 or abs(x) < 10 ** -digits):
+            return f"{x:.{digits}g}"
+        return f"{x:.{digits}f}".rstrip("0").rstrip(".")
+    return str(x)
+
+
+def _final_accuracy(view: RunView) -> str:
+    """The final accuracies: from summary.json, or, for partial runs, the last evaluation seen."""
+    s = view.run.record
+    if s is not None:
+        return (f"consensus {fmt(s.consensus_test_acc)}; ranks mean {fmt(s.mean_rank_acc)}, "
+                f"best {fmt(s.best_rank_acc)}, worst {fmt(s.worst_rank_acc)}")
+    parts = []
+    if view.consensus_acc.size:
+        parts.append(f"consensus {fmt(float(view.consensus_acc[-1]))} (t={int(view.consensus_t[-1])})")
+    if view.test_acc.size:
+        last = np.array([row[np.isfinite(row)][-1] if np.isfinite(row).any() else np.nan for row in view.test_acc])
+        if np.isfinite(last).any():
+            parts.append(f"ranks mean {fmt(float(np.nanmean(last)))}, best {fmt(float(np.nanmax(last)))}, "
+                         f"worst {fmt(float(np.nanmin(last)))} (last evaluations)")
+    return "; ".join(parts) or "no evaluations yet"
+
+
+def summary_text(view: RunView) -> str:
+    """The terminal summary of one run: what a user wants to know before opening the report."""
+    meta, s = view.run.meta, view.run.record
+    status = str(meta.get("status", "?"))
+    lines = [f"== {view.label}: {view.path}"]
+    head = f"status {status}, {view.n} ranks"
+    if s is None:
+        head += " (no summary.json: partial run"
+        head += f", read up to round {int(view.round_idx[-1])}, t={int(view.round_t[-1])})" if view.infos else ")"
+    lines.append(head)
+    if view.infos:
+        lines.append(f"rounds: {len(view.infos)} (t={int(view.round_t[0])}..{int(view.round_t[-1])})")
+        lines.append(f"communities per round: {compress_counts([int(k) for k in view.n_comm])}")
+        coph = view.cophenetic
+        struct = f"cophenetic first {fmt(float(coph[0]))}, last {fmt(float(coph[-1]))}"
+        if view.groups is not None:
+            struct += f"; ARI vs planted groups first {fmt(float(view.ari[0]))}, last {fmt(float(view.ari[-1]))}"
+        lines.append(struct)
+    else:
+        lines.append("rounds: 0 (no complete signature round)")
+    lines.append(f"final accuracy: {_final_accuracy(view)}")
+    if s is None:
+        lines.append("consensus: unknown (the run has no summary.json yet)")
+    elif s.consensus_reached_t is not None:
+        lines.append(f"consensus reached at t={s.consensus_reached_t} (final dispersion {fmt(s.final_dispersion, 4)})")
+    else:
+        lines.append(f"consensus not reached (final dispersion {fmt(s.final_dispersion, 4)}, {s.units} units)")
+    return "\n".join(lines)
+
+
+def round_rows(view: RunView) -> List[Dict[str, object]]:
+    """The per-round table: one dict per complete round."""
+    out = []
+    for k, info in enumerate(view.infos):
+        out.append({
+            "round": int(view.round_idx[k]), "t": int(view.round_t[k]), "n_communities": int(view.n_comm[k]),
+            "cut_height": info.get("cut_height"), "dispersion": info.get("dispersion"),
+            "mean_update_norm": info.get("mean_update_norm"), "p_cross": info.get("p_cross"),
+            "temperature": info.get("temperature"), "cophenetic": float(view.cophenetic[k]),
+            "ari": None if view.groups is None else float(view.ari[k]),
+        })
+    return out
