@@ -78,14 +78,15 @@ class Engine:
         self.timer.start()
         previous_handlers = stopflag.install()
         try:
-            for t in range(self.t + 1, self.cfg.train.budget + 1):
-                self.t = t
-                if self._unit(t):
-                    break
-            self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
-            if self.cfg.checkpoint.at_end:
-                self.checkpoints.save(self.t, final=True)
-            summary = self._finish()
+            with self.timer("other"):  # what the parts do not claim: the loop itself, checkpoints, log writes
+                for t in range(self.t + 1, self.cfg.train.budget + 1):
+                    self.t = t
+                    if self._unit(t):
+                        break
+                self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
+                if self.cfg.checkpoint.at_end:
+                    self.checkpoints.save(self.t, final=True)
+                summary = self._finish()
         except Preempted:
             # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
             # they are exiting, and they must still exit 75 rather than die of the signal.

@@ -4,9 +4,10 @@ Two rules make the split honest:
 
 - **Exclusive nesting.** A section opened inside another (the gradient
   Allreduce inside a training step, an exchange served while waiting on a
-  request) pauses the outer one, so no second is counted twice and the
-  categories add up to the wall time; what no section claims is ``other``
-  (checkpoints, log writes, the loop itself).
+  request) pauses the outer one, so no second is counted twice. The loop runs
+  inside an ``other`` section, so what no inner section claims (checkpoints,
+  log writes, the loop's own work) is measured as ``other``, and the six
+  categories add up to the elapsed wall time: a check, not a definition.
 - **Waiting is idle, whatever call it happens in.** Every rank enters a
   collective (an Allreduce of gradients, a global average, a consensus
   evaluation) in the same order, and all leave it together, so the rank that
@@ -28,8 +29,6 @@ import numpy as np
 
 from ..results import TIME_CATEGORIES
 
-MEASURED = tuple(c for c in TIME_CATEGORIES if c != "other")
-
 
 class Timer:
     """Exclusive wall time per category, the run's elapsed wall time, and collective calls to settle."""
@@ -37,7 +36,7 @@ class Timer:
     CATEGORIES = TIME_CATEGORIES
 
     def __init__(self) -> None:
-        self.total: Dict[str, float] = {c: 0.0 for c in MEASURED}
+        self.total: Dict[str, float] = {c: 0.0 for c in TIME_CATEGORIES}
         self._before = 0.0  # wall time of earlier segments of a resumed run
         self._start: Optional[float] = None
         self._open: List[list] = []  # [category, time it last resumed]
@@ -108,9 +107,11 @@ class Timer:
         return moved
 
     def split(self) -> Dict[str, float]:
-        """The partition of the elapsed time: the measured categories, and ``other`` for the rest."""
+        """Seconds per category so far, the section still open included (they add up to ``elapsed()``)."""
         out = dict(self.total)
-        out["other"] = max(0.0, self.elapsed() - sum(out.values()))
+        if self._open:
+            cat, since = self._open[-1]
+            out[cat] += time.perf_counter() - since
         return out
 
     def state_dict(self) -> dict:

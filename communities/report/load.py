@@ -487,7 +487,15 @@ def summary_text(view: RunView) -> str:
         lines.append(f"consensus reached at t={s.consensus_reached_t} (final dispersion {fmt(s.final_dispersion, 4)})")
     else:
         lines.append(f"consensus not reached (final dispersion {fmt(s.final_dispersion, 4)}, {s.units} units)")
+    if s is not None and s.time_split:
+        lines.append(f"wall time {fmt(s.wall_time)} s: " + wall_split_text(s.time_split))
     return "\n".join(lines)
+
+
+def wall_split_text(split: Dict[str, float]) -> str:
+    """The time split as shares of its total (the categories partition each rank's wall time)."""
+    total = sum(split.values()) or 1.0
+    return " / ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items())
 
 
 def round_rows(view: RunView) -> List[Dict[str, object]]:

@@ -351,7 +351,10 @@ def run_curve(path: Path) -> dict:
                                    trains_with_traffic=_sync_gradients(summary.strategy))
     wall_by_t = _wall_at_unit(metrics)
     ts = np.array([p[0] for p in points], dtype=np.float64)
-    if wall_by_t is not None:
+    if evals and all("wall" in r for r in evals):  # protocol async: the consensus of wall-clock snapshots
+        walls = np.array([float(r["wall"]) for r in evals if r.get("test_acc") is not None] + [wall])[: ts.size]
+        measured = True
+    elif wall_by_t is not None:
         walls, measured = np.array([wall_by_t(t) for t in ts]), True
     else:
         walls, measured = wall * ts / max(units, 1), False
@@ -432,6 +435,21 @@ def _wall_at_unit(metrics: List[dict]):
     return at
 
 
+def idle_share(path: Path, summary) -> Optional[float]:
+    """The mean idle share of wall time over the ranks that were not slowed down on purpose (faults.speed)."""
+    per = summary.time_split_per_rank
+    if not per or "idle" not in per:
+        return None
+    try:
+        import yaml
+
+        slowed = set((yaml.safe_load((path / "config.yaml").read_text()) or {}).get("faults", {}).get("speed") or {})
+    except (OSError, ValueError):
+        slowed = set()
+    ranks = [r for r in range(len(per["wall"])) if r not in slowed] or list(range(len(per["wall"])))
+    return float(np.mean([per["idle"][r] / per["wall"][r] for r in ranks if per["wall"][r] > 0]))
+
+
 def time_to_target(curve: dict, target: float) -> Optional[dict]:
     """The first consensus evaluation at or above ``target``: its t, the bytes by then, the wall seconds by then."""
     hit = np.flatnonzero(curve["acc"] >= target)
@@ -469,7 +487,7 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
                          consensus_test_acc=s.consensus_test_acc, best_rank_acc=s.best_rank_acc,
                          bytes_sent_mean=s.bytes_sent_mean, wall_time=s.wall_time, units=s.units,
                          merges=s.merges, target=tt, data_bytes_mean=s.data_bytes_mean,
-                         monitoring_bytes_mean=s.monitoring_bytes_mean,
+                         monitoring_bytes_mean=s.monitoring_bytes_mean, idle_share=idle_share(p.path, s),
                          retired_fraction=(s.examples or {}).get("retired_fraction"))
             curves.setdefault(p.arm.label, []).append({"seed": p.seed, **c})
         runs.append(entry)
@@ -486,6 +504,7 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             "best_rank_acc": _stats([r["best_rank_acc"] for r in mine]),
             "bytes_sent_per_rank": _stats([r["bytes_sent_mean"] for r in mine]),
             "wall_time": _stats([r["wall_time"] for r in mine]),
+            "idle_share": _stats([r["idle_share"] for r in mine if r["idle_share"] is not None]),
             "data_bytes_per_rank": _stats([r["data_bytes_mean"] for r in mine]),
             "retired_fraction": _stats([r["retired_fraction"] for r in mine if r["retired_fraction"] is not None]),
             "target": {"accuracy": spec.target_accuracy, "reached": len(hits), "of": len(mine),
@@ -520,17 +539,18 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         f"Base config `{agg['base']}`, {agg['world_size']} ranks, seeds {agg['seeds']}"
         + (f", common overrides `{' '.join(agg['overrides'])}`" if agg["overrides"] else "") + ".",
         "",
-        "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s "
+        "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s | idle % "
         f"| reached {target:g} | t to target (units) | MB to target | wall s to target |"
         + (" data MB / rank | retired % |" if moving else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moving else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moving else ""),
     ]
     for label, a in agg["strategies"].items():
         tg = a["target"]
         lines.append(
             f"| {label} | {a['runs']}/{a['planned']} | {_pm(a['consensus_test_acc'])} | {_pm(a['best_rank_acc'])} "
             f"| {_pm(a['bytes_sent_per_rank'], '{:.2f}', 1e-6)} | {_pm(a['wall_time'], '{:.1f}')} "
-            f"| {tg['reached']}/{tg['of']} | {_pm(tg['t'], '{:.0f}')} | {_pm(tg['bytes'], '{:.2f}', 1e-6)} "
+            f"| {_pm(a['idle_share'], '{:.0f}', 100)} | {tg['reached']}/{tg['of']} | {_pm(tg['t'], '{:.0f}')} "
+            f"| {_pm(tg['bytes'], '{:.2f}', 1e-6)} "
             f"| {_pm(tg['wall'], '{:.1f}')}{'' if tg['wall_measured'] == tg['reached'] else ' (est.)'} |"
             + (f" {_pm(a['data_bytes_per_rank'], '{:.3f}', 1e-6)} | {_pm(a['retired_fraction'], '{:.1f}', 100)} |"
                if moving else ""))
@@ -546,6 +566,9 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "examples (*data MB / rank*, summary `data_bytes_mean`) are counted apart.",
         "- *retired %*: share of the training examples retired at the end (summary `examples`), where tracked.",
         "- *wall s*: the slowest rank's training loop (summary.json `wall_time`), without process start-up.",
+        "- *idle %*: the share of its wall time a rank spent waiting for others (summary `time_split_per_rank`: "
+        "waits in exchanges, gathers and Allreduces), averaged over the ranks not slowed on purpose "
+        "(`faults.speed`).",
         f"- *to target*: the first consensus evaluation (consensus.jsonl, every `output.consensus_every` or "
         f"`train.eval_every` units, plus the final model) with test accuracy >= {target:g}; averaged over the "
         "seeds that reached it. *MB to target* is the mean over ranks of the bytes sent up to and including "
@@ -553,7 +576,10 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "exchanges: row t+1 for every strategy, less unit t+1's own gradient Allreduces for allreduce; "
         "interpolated between units). *wall s to target* is the slowest rank's metrics.jsonl `wall` at that "
         "unit (seconds since its run started, taken right after training it); runs written before that field "
-        "existed get an estimate, `wall_time * t / units` (marked est.), which assumes units of equal cost.",
+        "existed get an estimate, `wall_time * t / units` (marked est.), which assumes units of equal cost. "
+        "Under `protocol: async`, ranks are at different units at any moment: the curve is the consensus of "
+        "weight snapshots taken every `output.snapshot_seconds` of wall clock (consensus.jsonl `wall`), its t "
+        "the mean unit over the ranks then.",
         "",
         "![consensus accuracy vs bytes](acc_vs_bytes.png)",
         "![consensus accuracy vs wall time](acc_vs_wall.png)",

@@ -1,0 +1,34 @@
+"""Honest time accounting (issue 17): the split partitions each rank's wall time, and waiting is idle.
+
+One rank is made four times slower (faults.speed: it sleeps three times each batch's
+own time after the batch). Whatever the strategy, the fast ranks then spend most
+of their time waiting for it: in a pairwise exchange, a gradient or weight
+Allreduce, a signature gather or a log gather. Each of those waits must show as
+idle, and no second may be counted twice.
+"""
+import json
+
+import pytest
+
+from communities.results import TIME_CATEGORIES
+
+from tests.helpers.mpi import run_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+SLOW = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64", "train.budget=20"]
+
+
+@pytest.mark.parametrize("strategy", ["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"])
+def test_the_split_partitions_the_wall_and_waiting_for_a_slow_rank_is_idle(tmp_path, tiny_config, strategy):
+    run_engine(4, tiny_config, tmp_path, f"strategy={strategy}", *SLOW)
+    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    per = s["time_split_per_rank"]
+    assert set(per) == {"wall", *TIME_CATEGORIES}
+    for r in range(4):
+        parts = sum(per[c][r] for c in TIME_CATEGORIES)
+        assert abs(parts - per["wall"][r]) <= 0.02 * per["wall"][r], (r, {c: per[c][r] for c in per})
+        assert min(per[c][r] for c in TIME_CATEGORIES) >= 0.0
+    fast_idle = [per["idle"][r] / per["wall"][r] for r in (1, 2, 3)]
+    assert min(fast_idle) > 0.40, fast_idle
+    assert per["idle"][0] / per["wall"][0] < min(fast_idle)  # the slow rank is the one they wait for
