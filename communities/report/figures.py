@@ -455,12 +455,30 @@ class RunFigures:
     timeline: Optional[List[str]]  # None: no complete round to draw
     merge_matrix: List[str]
     dendrograms: List[Tuple[int, List[str]]] = field(default_factory=list)  # (round, names)
+    views: Optional[List[str]] = None  # protocol async: how far each rank's views agreed with rank 0's
+
+
+def _views_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
+    """protocol async: each rank's communities against rank 0's at the same wall time (ARI; 1 = the same)."""
+    fig = _figure(7, 3.2, constrained=True)
+    ax = fig.add_subplot()
+    for k, (r, (wall, ari)) in enumerate(sorted(view.view_agreement.items())):
+        ax.plot(wall, ari, lw=1, marker=".", ms=3, color=f"C{k % 10}", label=f"rank {r}")
+    ax.set_xlabel("wall time, s (each rank's clock since the loop started)")
+    ax.set_ylabel("ARI vs rank 0's view")
+    ax.set_ylim(-0.1, 1.05)
+    ax.set_title("Agreement of the ranks' community views (protocol async)")
+    if len(view.view_agreement) <= 16:
+        ax.legend(fontsize=7, ncol=4, loc="lower right")
+    return _save(fig, out, stem, svg)
 
 
 def draw_run(view: RunView, out: Path, prefix: str, picked: Sequence[int], svg: bool) -> RunFigures:
     """One run's timeline (when it has rounds), merge matrix and the dendrograms of the ``picked`` rounds."""
     timeline = _timeline_figure(view, out, f"{prefix}timeline", svg) if view.infos else None
     figs = RunFigures(timeline, _merge_matrix_figure(view, out, f"{prefix}merge_matrix", svg))
+    if view.view_agreement:
+        figs.views = _views_figure(view, out, f"{prefix}view_agreement", svg)
     pos = {int(r): k for k, r in enumerate(view.round_idx)}
     canvas = _DendrogramCanvas()
     try:

@@ -88,6 +88,12 @@ def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: s
         parts.append(_img(figs.timeline, "community timeline"))
     parts.append("<h3>Merge matrix</h3>")
     parts.append(_img(figs.merge_matrix, "merge matrix"))
+    if figs.views is not None:
+        parts.append("<h3>Agreement of the views</h3><p>Under <code>protocol: async</code> each rank clusters its "
+                     "own signature table, so the ranks' communities may differ for a while. The dendrograms "
+                     "below are rank 0's view; this is how far every other rank's view agreed with rank 0's at "
+                     "the same wall time (adjusted Rand index, from views.jsonl).</p>")
+        parts.append(_img(figs.views, "agreement of the views"))
     parts.append(f"<h3>Dendrograms</h3><p>{_e(note)}.</p>")
     for r, names in figs.dendrograms:
         parts.append(_img(names, f"dendrogram of round {r}"))

@@ -29,7 +29,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import pdist
 
 from ..core.clustering import adjusted_rand
-from ..results import ResultsError, Run, load_round, open_run
+from ..results import ResultsError, Run, load_round, open_run, read_jsonl
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -253,6 +253,7 @@ class RunView:
     merge_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
     merge_norm: np.ndarray = field(default_factory=lambda: np.zeros(0))  # mean update norm per t
     merge_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
+    view_agreement: Dict[int, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # async: rank -> (wall, ARI)
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -291,6 +292,7 @@ def load_view(path: Path) -> RunView:
     _read_metrics(view)
     _read_consensus(view)
     _read_merges(view)
+    _read_views(view)
     return view
 
 
@@ -403,6 +405,24 @@ def _read_merges(view: RunView) -> None:
             ut, inv = np.unique(arr[:, 0], return_inverse=True)
             view.merge_t = ut
             view.merge_norm = np.bincount(inv, weights=arr[:, 1]) / np.bincount(inv)
+
+
+def _read_views(view: RunView) -> None:
+    """protocol async: each rank's community views (views.jsonl) against rank 0's at the same wall time."""
+    path = view.path / "views.jsonl"
+    if not path.exists():
+        return
+    with _reading(path):
+        rows = [v for v in read_jsonl(path) if len(v.get("labels", ())) == view.n]
+    own = sorted((v for v in rows if v["rank"] == 0), key=lambda v: v["wall"])
+    if not own:
+        return
+    walls = np.array([v["wall"] for v in own])
+    for r in sorted({v["rank"] for v in rows} - {0}):
+        mine = sorted((v for v in rows if v["rank"] == r), key=lambda v: v["wall"])
+        k = [max(int(np.searchsorted(walls, v["wall"], side="right")) - 1, 0) for v in mine]
+        ari = [adjusted_rand(np.asarray(v["labels"]), own[j]["labels"]) for v, j in zip(mine, k)]
+        view.view_agreement[r] = (np.array([v["wall"] for v in mine]), np.array(ari, dtype=float))
 
 
 def one_line(exc: BaseException) -> str:

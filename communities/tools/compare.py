@@ -49,7 +49,9 @@ from ..errors import EXIT_USER
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools/ -> communities/ -> root)
 SPEC_KEYS = {"name", "base", "world_size", "seeds", "target_accuracy", "overrides", "strategies", "launcher",
-             "timeout", "description"}
+             "timeout", "description", "cases"}
+# what a case of a multi-case spec may set (its own base config, world size, target, extra overrides)
+CASE_KEYS = {"name", "base", "world_size", "seeds", "target_accuracy", "overrides", "description"}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -120,6 +122,20 @@ def _resolve_base(base: str, spec_path: Optional[Path]) -> Path:
 
 
 def load_spec(path: Union[str, Path]) -> Spec:
+    """A one-case spec (``load_specs`` reads specs with ``cases`` too)."""
+    specs = load_specs(path)
+    if len(specs) != 1:
+        raise SpecError(f"{path}: holds {len(specs)} cases; use load_specs")
+    return specs[0]
+
+
+def load_specs(path: Union[str, Path]) -> List[Spec]:
+    """The specs of a file: one, or one per entry of its ``cases`` (e.g. one per dataset).
+
+    A case sets its own ``name`` (appended to the spec's), and may set ``base``,
+    ``world_size``, ``seeds``, ``target_accuracy``, ``description``, and
+    ``overrides`` (added to the spec's); the strategies are the spec's.
+    """
     from ..config import ConfigError, read_yaml
 
     path = Path(path)
@@ -127,7 +143,24 @@ def load_spec(path: Union[str, Path]) -> Spec:
         raw = read_yaml(path, what="spec")
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
-    return spec_from_dict(raw, path)
+    if not isinstance(raw, dict) or "cases" not in raw:
+        return [spec_from_dict(raw, path)]
+    cases = raw["cases"]
+    if not isinstance(cases, list) or not cases or not all(isinstance(c, dict) for c in cases):
+        raise SpecError(f"{path}: cases must be a non-empty list of mappings")
+    specs = []
+    for k, case in enumerate(cases):
+        extra = sorted(set(case) - CASE_KEYS)
+        if extra or "name" not in case:
+            raise SpecError(f"{path}: cases[{k}]: " + (f"unknown key(s) {extra}; allowed: {sorted(CASE_KEYS)}"
+                                                       if extra else "needs a name"))
+        merged = {key: v for key, v in raw.items() if key != "cases"}
+        merged.update({key: v for key, v in case.items() if key != "overrides"})
+        merged["name"] = f"{raw.get('name')}_{case['name']}"
+        merged["overrides"] = _overrides(raw.get("overrides"), str(path)) + \
+            _overrides(case.get("overrides"), f"{path}: cases[{k}]")
+        specs.append(spec_from_dict(merged, path))
+    return specs
 
 
 def spec_from_dict(raw, path: Optional[Path] = None) -> Spec:
@@ -678,7 +711,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main_compare(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        spec = load_spec(args.spec)
+        specs = load_specs(args.spec)
+    except SpecError as exc:
+        print(f"communities compare: error: {exc}", file=sys.stderr)
+        return EXIT_USER
+    rc = 0
+    for spec in specs:
+        rc = max(rc, compare_one(spec, args))
+        if rc == EXIT_USER or (rc and args.fail_fast):
+            break
+    return rc
+
+
+def compare_one(spec: Spec, args) -> int:
+    """Run (or report) one spec: its strategies x seeds; writes results/<spec>/compare.md and .json."""
+    try:
         if args.only:
             missing = sorted(set(args.only) - {a.label for a in spec.arms})
             if missing:

@@ -11,7 +11,6 @@ import json
 import pytest
 
 from communities.results import TIME_CATEGORIES
-
 from tests.helpers.mpi import run_engine
 
 pytestmark = pytest.mark.timeout(600)

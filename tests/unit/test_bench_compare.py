@@ -121,11 +121,14 @@ def test_shipped_specs_parse():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "configs" / "compare"
-    specs = {p.stem: compare.load_spec(p) for p in sorted(root.glob("*.yaml"))}
+    specs = {s.name: s for p in sorted(root.glob("*.yaml")) for s in compare.load_specs(p)}
     assert {"digits_groups", "mnist1d_iid", "mnist1d_dirichlet"} <= set(specs)
     assert specs["digits_groups"].base.name == "quickstart.yaml" and len(specs["digits_groups"].seeds) == 3
     assert "consensus.stop=false" in specs["digits_groups"].overrides
     assert "data.alpha=0.1" in specs["mnist1d_dirichlet"].overrides
+    assert {"stragglers_digits", "stragglers_mnist1d"} <= set(specs)
+    assert specs["stragglers_mnist1d"].base.name == "mnist1d.yaml"
+    assert "train.budget=150" in specs["stragglers_mnist1d"].overrides
     for s in specs.values():
         assert s.base.exists()
 

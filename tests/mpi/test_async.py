@@ -1,0 +1,129 @@
+"""The asynchronous protocol under a real mpiexec: conservation, no hang, frozen partners, signature gossip."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from communities.results import read_jsonl
+from tests.helpers.mpi import ROOT, initial_mean_and_final, mpi_env, mpiexec, run_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+ASYNC = ["protocol=async", "comm.timeout=20"]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_lr0_async_gossip_conserves_the_mean_and_reaches_it(tmp_path, tiny_config):
+    """Every exchange is symmetric: with lr = 0 the mean is conserved, and gossip drives every rank to it."""
+    n = 4
+    run_engine(n, tiny_config, tmp_path, *ASYNC, "strategy=gossip", "train.lr=0", "train.momentum=0",
+               "model.init=per_rank", "merge.lam=1", "train.budget=60")
+    mean0, final_mean, spread0 = initial_mean_and_final(tiny_config, n, tmp_path / "tiny")
+    s = summary(tmp_path / "tiny")
+    assert s["protocol"] == "async" and s["merges"] > 0
+    assert torch.allclose(final_mean, mean0, atol=1e-5)
+    assert s["consensus_distance"] < 1e-2 * spread0
+
+
+def test_sixteen_ranks_with_jitter_and_crossed_requests_finish_and_conserve_the_mean(tmp_path, tiny_config):
+    """16 ranks, random sleeps after every batch, every timer firing every unit: many crossed and busy requests."""
+    n = 16
+    run_engine(n, tiny_config, tmp_path, *ASYNC, "strategy=gossip", "train.lr=0", "train.momentum=0",
+               "model.init=per_rank", "merge.lam=1", "train.budget=15", "faults.jitter=0.003",
+               "data.partition=iid", timeout=480)
+    mean0, final_mean, _ = initial_mean_and_final(tiny_config, n, tmp_path / "tiny")
+    assert torch.allclose(final_mean, mean0, atol=1e-5)
+    events = [m["event"] for m in read_jsonl(tmp_path / "tiny" / "merges.jsonl")]
+    assert events.count("merge") > 2 * n and "busy" in events  # requests met ranks waiting on their own
+
+
+def test_community_views_are_recorded_and_tables_fill_by_gossip(tmp_path, tiny_config):
+    """Signatures spread by gossip: every rank's table holds every rank's row soon after the first signing."""
+    n = 4
+    run_engine(n, tiny_config, tmp_path, *ASYNC, "train.budget=40")
+    run = tmp_path / "tiny"
+    s = summary(run)
+    views = read_jsonl(run / "views.jsonl")
+    first = {r: min(v["t"] for v in views if v["rank"] == r) for r in range(n)}
+    assert set(first) == set(range(n))
+    assert max(first.values()) <= 15  # signed at t=5, complete within two more rounds of its own
+    assert s["view_agreement"]["views"] == len(views) and s["view_agreement"]["final_mean_ari_vs_rank0"] >= 0.9
+    assert s["first_round_ari"] == 1.0  # rank 0's first view recovers the planted groups
+    assert (run / "rounds" / "round_0000" / "Z.npy").exists()
+    assert all(len(v["labels"]) == n for v in views)
+
+
+def _rank_pids(marker: str, timeout: float = 60.0) -> dict:
+    """{rank: pid} of the engine processes whose command line holds ``marker`` (PMI_RANK from /proc)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+        pids = {}
+        for pid in out:
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for kv in env:
+                if kv.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")):
+                    pids[int(kv.split(b"=")[1])] = int(pid)
+        if len(pids) >= 4:
+            return pids
+        time.sleep(0.2)
+    raise AssertionError(f"engine processes not found for {marker}")
+
+
+def test_a_frozen_rank_is_skipped_within_the_timeout_and_named(tmp_path, tiny_config):
+    """SIGSTOP one rank mid-run: its partners give up after comm.timeout, say so, and go on; SIGCONT ends it."""
+    timeout = 2.0
+    args = [mpiexec(), "-n", "4", sys.executable, "-m", "communities", "run", str(tiny_config),
+            f"output.root={tmp_path}", "--no-progress", "protocol=async", "strategy=gossip", f"comm.timeout={timeout}",
+            "train.budget=100000", "train.wall_budget=14", "merge.lam=1", "model.hidden=[64,64]"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pids = _rank_pids(str(tmp_path))
+        first_round = tmp_path / "tiny" / "rounds" / "round_0001"  # rank 0 writes its views as it goes
+        deadline = time.time() + 120
+        while not first_round.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert first_round.exists(), "the run did not get going"
+        os.kill(pids[2], signal.SIGSTOP)
+        time.sleep(3 * timeout + 1.0)
+        os.kill(pids[2], signal.SIGCONT)
+        out, err = proc.communicate(timeout=240)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    assert f"rank 2 did not answer within comm.timeout={timeout:g}s; skipped" in out
+    skipped = [m for m in read_jsonl(tmp_path / "tiny" / "merges.jsonl") if m["event"] == "timeout"]
+    assert skipped and all(m["j"] == 2 for m in skipped)
+    walls = summary(tmp_path / "tiny")["time_split_per_rank"]["wall"]
+    assert max(walls) < 14 + 3 * timeout + 30  # nobody waited for the frozen rank beyond the timeouts
+
+
+def test_async_stragglers_do_not_hold_back_the_fast_ranks(tmp_path, tiny_config):
+    """One rank 4x slower: under async the others train on (more units, little idle), unlike the virtual clock."""
+    slow = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64", "train.wall_budget=6",
+            "train.budget=100000", "strategy=gossip", "data.partition=iid"]
+    run_engine(4, tiny_config, tmp_path / "vc", *slow)
+    run_engine(4, tiny_config, tmp_path / "async", *slow, *ASYNC)
+    vc, asy = summary(tmp_path / "vc" / "tiny"), summary(tmp_path / "async" / "tiny")
+    fast = [1, 2, 3]
+    assert min(asy["units_per_rank"][r] for r in fast) >= 2 * asy["units_per_rank"][0]
+    idle = asy["time_split_per_rank"]["idle"]
+    wall = asy["time_split_per_rank"]["wall"]
+    vc_idle = vc["time_split_per_rank"]["idle"]
+    vc_wall = vc["time_split_per_rank"]["wall"]
+    assert np.mean([idle[r] / wall[r] for r in fast]) < 0.5 * np.mean([vc_idle[r] / vc_wall[r] for r in fast])
