@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 
 from ..core.protocol import RunningDigest
-from ..errors import ConfigError, Preempted
+from ..errors import ConfigError, DiskError, Preempted, collective
 from ..results import Summary, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
@@ -40,6 +40,8 @@ from .rounds import SignatureRounds
 from .run_dir import RunDirectory, describe_partition, now
 from .runlog import RunLog, print_summary
 from .timer import Timer
+
+GO, STOP, DISK_FAILED = 0, 1, 2  # what the ranks agree on at a signature round (the largest wins)
 
 
 class Engine:
@@ -70,8 +72,15 @@ class Engine:
                  "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement,
                  "faults": self.faults}
         self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts,
-                                        before_save=self.log.flush, info=self._checkpoint_info)
-        self.t = self.checkpoints.load(resumed) if resumed is not None else 0
+                                        before_save=self.log.flush, info=self._checkpoint_info,
+                                        failure=lambda: self.run_dir.failure)
+        try:
+            self.t = self.checkpoints.load(resumed, self.run_dir.resume_data) if resumed is not None else 0
+        except BaseException:
+            self.run_dir.release()
+            raise
+        self.run_dir.resume_data = None
+        self.loaded_t = self.t if resumed is not None else -1
 
     # ------------------------------------------------------------------ the loop
 
@@ -84,13 +93,17 @@ class Engine:
                 self.t = t
                 if self._unit(t):
                     break
-            if self.cfg.checkpoint.at_end:
+            # (a resume of a run that reached its end but could not write it: the checkpoint loaded is the end)
+            if self.cfg.checkpoint.at_end and self.t != self.loaded_t:
                 self.checkpoints.save(self.t, final=True)
             summary = self._finish()
         except Preempted:
             # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
             # they are exiting, and they must still exit 75 rather than die of the signal.
             raise
+        except DiskError as exc:  # raised on every rank at the same collective step
+            stopflag.restore(previous_handlers)
+            raise self.run_dir.failed(exc, self.t) from None
         else:
             stopflag.restore(previous_handlers)
             return summary
@@ -100,6 +113,8 @@ class Engine:
     def _unit(self, t: int) -> bool:
         """Unit t of virtual time; True when the run ends here (consensus reached)."""
         self.world.watchdog.context = f"t={t}"
+        if self.cfg.faults.disk_full_at is not None and t >= self.cfg.faults.disk_full_at:
+            self._fill_disk()
         self.log.unit(self.replica.train_unit(t, self.mixer.grad_sync, self.mixer.unit_steps))
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
         decision = self._round(t) if self.rounds.due(t) else None
@@ -109,9 +124,13 @@ class Engine:
         if decision is not None and decision.stop:  # identical on every rank: a pending stop signal is moot
             return True
         # Polled at signature rounds only, so that between rounds a slow rank delays its partners alone.
-        if self.rounds.due(t) and self._stop_requested():
-            self.checkpoints.save(t)
-            self._preempt(t)
+        if self.rounds.due(t):
+            verdict = self._agree()
+            if verdict >= DISK_FAILED:
+                self._share_failure()
+            if verdict >= STOP:
+                self.checkpoints.save(t)
+                self._preempt(t)
         if self.checkpoints.due(t):
             self.checkpoints.save(t)
         return False
@@ -128,18 +147,37 @@ class Engine:
 
     # ------------------------------------------------------------------ stop and finish
 
-    def _stop_requested(self) -> bool:
-        """One tiny Allreduce: stop if any rank got a signal (``stopflag``) or rank 0 sees ``RUN_DIR/STOP``."""
-        local = stopflag.requested() or self.run_dir.stop_file_present()
+    def _agree(self) -> int:
+        """One tiny Allreduce at each round: go on, stop (a signal on any rank, ``RUN_DIR/STOP``), or a failed write.
+
+        Rank 0 writes the run directory alone; a write that failed there (a full disk) is
+        recorded by the writer and becomes, here, a stop of every rank.
+        """
+        if self.run_dir.failure is not None:
+            local = DISK_FAILED
+        else:
+            local = STOP if stopflag.requested() or self.run_dir.stop_file_present() else GO
         with self.timer("idle"):
-            return self.world.allreduce_scalar(float(local), "max") > 0
+            return int(self.world.allreduce_scalar(float(local), "max"))
+
+    def _share_failure(self) -> None:
+        """A collective: rank 0's recorded write failure, if any, raised as the same DiskError on every rank."""
+        failure = self.run_dir.failure
+        message = self.world.bcast_text(str(failure) if failure is not None else "")
+        if message:
+            raise collective(DiskError(message))
+
+    def _fill_disk(self) -> None:
+        """Fault injection (``faults.disk_full_at``): from now on every write into the run directory fails."""
+        self.checkpoints.full = True
+        if self.run_dir.writer is not None:
+            self.run_dir.writer.full = True
 
     def _preempt(self, t: int) -> None:
         self.run_dir.interrupted(t)
         # No rank exits before rank 0 has committed: srun --kill-on-bad-exit would otherwise kill rank 0
         # mid-commit when the first rank exits 75.
-        with self.world.watchdog.waiting("Barrier before exiting on a stop (rank 0 commits the checkpoint)"):
-            self.world.barrier()
+        self.world.barrier("Barrier before exiting on a stop (rank 0 commits the checkpoint)")
         raise Preempted(f"stopped at t={t}")
 
     def _checkpoint_info(self) -> dict:
@@ -165,7 +203,8 @@ class Engine:
                "consensus_reached_t": self.consensus.reached_t}
         model = replica.state_dict_of(mean) if self.world.rank == 0 else None
         summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker)
-        self.run_dir.complete()
+        self.run_dir.complete(self.log.products)
+        self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary
 
 

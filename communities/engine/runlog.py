@@ -4,7 +4,8 @@ Rows are typed records (``results.MetricRow``, ``results.MergeRow``) kept on
 each rank and gathered to rank 0 as float64 blocks at every signature round, at
 checkpoints and at the end (no pickle, no per-unit collective). Rank 0 alone
 writes ``metrics.jsonl``, ``merges.jsonl``, ``consensus.jsonl``,
-``examples.jsonl``, ``rounds/`` and ``summary.json``.
+``examples.jsonl``, ``rounds/`` and ``summary.json``, through the run writer, which
+records a failed write instead of raising (the engine stops every rank on it).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import numpy as np
 import torch
 
 from ..core.partners import Law
-from ..results import Event, MergeRow, MetricRow, RunWriter, Summary, atomic_write_bytes, finite_or_none
+from ..manifest import entry
+from ..results import Event, MergeRow, MetricRow, RunWriter, Summary, finite_or_none
 from ..runtime.comm import World
 from .consensus import Decision
 from .example_tracker import ExampleTracker
@@ -34,6 +36,7 @@ class RunLog:
         self.metric_rows: List[MetricRow] = []
         self.merge_rows: List[MergeRow] = []
         self.merges_logged = 0  # rank 0: pairwise merges written (counted once, at the initiator)
+        self.products: dict = {}  # rank 0: manifest entries of the files written at the end
 
     def unit(self, row: MetricRow) -> None:
         self.metric_rows.append(row)
@@ -132,7 +135,8 @@ class RunLog:
         accs = g[:, 0]
         buf = io.BytesIO()
         torch.save(consensus_state, buf)
-        atomic_write_bytes(self.writer.root / "consensus.pt", buf.getvalue())
+        if self.writer.write_bytes("consensus.pt", buf.getvalue()):
+            self.products["consensus.pt"] = entry(buf.getvalue())  # its size and digest go into meta.json
         summary = Summary(
             **run, merges=self.merges_logged, rank_test_acc=accs.tolist(), best_rank_acc=float(accs.max()),
             worst_rank_acc=float(accs.min()), mean_rank_acc=float(accs.mean()),
