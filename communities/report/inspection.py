@@ -33,6 +33,13 @@ file) and the rest is read: a ``round_NNNN`` directory that lacks a file (rounds
 are renamed into place whole, so it is left out), and damage in the last round
 of a run that did not finish (the tail of the crash). Hidden ``.round_*``
 temporaries, rounds still being built, are skipped silently.
+
+It also checks what a run vouches for: ``consensus.pt`` against the size and
+BLAKE2b digest in ``meta.json`` (a mismatch is an error naming it) and each
+complete checkpoint against its manifest (a mismatch is a warning saying which
+checkpoint ``--resume`` would take instead). A run whose ``meta.json`` says
+``running`` but whose process is gone (nobody holds its lock, and its pid is dead
+or its heartbeat old: communities/runlock.py) is reported as ``interrupted``.
 """
 from __future__ import annotations
 
@@ -53,6 +60,7 @@ from scipy.cluster import hierarchy
 from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import pdist
 
+from .. import manifest, runlock
 from ..core.clustering import adjusted_rand
 from ..results import ResultsError, Run, load_round, open_run
 
@@ -315,6 +323,7 @@ class RunView:
     merge_norm: np.ndarray = field(default_factory=lambda: np.zeros(0))  # mean update norm per t
     merge_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
     notes: List[str] = field(default_factory=list)
+    status: str = "?"  # meta.json's status as it stands (a killed run's "running" reads "interrupted")
 
     @property
     def path(self) -> Path:
@@ -345,6 +354,46 @@ def _check_round(rnd, n: int) -> None:
         raise ResultsError(f"{p / 'labels.npy'}: shape {lab.shape} {lab.dtype}, expected ({n},) integers")
 
 
+def run_status(path: Path, meta: dict, notes: List[str]) -> str:
+    """meta.json's status, except that a ``running`` run whose process is gone is ``interrupted`` (noted why)."""
+    status = str(meta.get("status", "?"))
+    state = runlock.probe(path)
+    effective = runlock.effective_status(status, state)
+    if effective != status:
+        age = f"{state.age / 60:.0f} min ago" if state.age is not None else "long ago"
+        why = ("its process is gone" if state.holder_alive is False
+               else f"nobody holds its lock and its last heartbeat was {age}")
+        notes.append(f"{path / 'meta.json'} says '{status}', but {why} ({runlock.describe(state.holder)}): "
+                     f"read as '{effective}' (killed, or its node failed); continue it with --resume")
+    return effective
+
+
+def check_products(path: Path, meta: dict, notes: List[str]) -> None:
+    """consensus.pt against meta.json's digest (damage is an error), checkpoints against their manifests (warned)."""
+    files = meta.get("files")
+    if isinstance(files, dict):
+        for name, expected in files.items():
+            if not isinstance(expected, dict):
+                raise ResultsError(f"{path / 'meta.json'}: damaged ('files' entry {name!r} is not an object)")
+            why = manifest.file_mismatch(path / name, expected)
+            if why is not None:
+                raise ResultsError(f"{path / name}: damaged ({why}; compared with {path / 'meta.json'})")
+    found = manifest.complete_dirs(path / "checkpoints")
+    intact = None
+    damaged = []
+    for d in found:
+        bad = manifest.problems(d)
+        if bad:
+            damaged.append((d, bad))
+        elif intact is None:
+            intact = d
+    for d, bad in damaged:
+        newer = intact is None or d.name > intact.name
+        then = (f"--resume falls back to {intact.name}" if intact is not None and newer
+                else "--resume finds no intact checkpoint" if intact is None else "it is older than the one in use")
+        notes.append(f"checkpoint {d.name} is damaged: {'; '.join(bad)} ({then})")
+
+
 def load_view(path: Path) -> RunView:
     """Open a (possibly partial) run and derive every series the report draws. Raises ResultsError."""
     path = Path(path)
@@ -369,6 +418,8 @@ def load_view(path: Path) -> RunView:
     name = str(summary.get("name") or run.config.get("name") or path.name)
     strategy = str(run.meta.get("strategy") or run.config.get("strategy") or summary.get("strategy") or "?")
     view = RunView(run=run, label=f"{name} ({strategy})", name=name, strategy=strategy, n=n, groups=groups)
+    view.status = run_status(path, run.meta, view.notes)
+    check_products(path, run.meta, view.notes)
 
     clustering = run.config.get("clustering")
     cfg_metric = clustering.get("metric") if isinstance(clustering, dict) else None
@@ -383,7 +434,7 @@ def load_view(path: Path) -> RunView:
             # last round directory is the tail of the crash, not a reason to refuse the rest.
             if pos == len(run.round_paths) - 1 and not run.complete:
                 view.notes.append(f"{_one_line(exc)}; the run did not finish (status "
-                                  f"{run.meta.get('status', '?')}), so it is read up to the round before")
+                                  f"{view.status}), so it is read up to the round before")
                 break
             raise
         info = rnd.info
@@ -480,8 +531,8 @@ def _final_accuracy(view: RunView) -> str:
 
 def summary_text(view: RunView) -> str:
     """The terminal summary of one run: what a user wants to know before opening the report."""
-    meta, s = view.run.meta, view.run.record
-    status = str(meta.get("status", "?"))
+    s = view.run.record
+    status = view.status
     lines = [f"== {view.label}: {view.path}"]
     head = f"status {status}, {view.n} ranks"
     if s is None:
@@ -979,7 +1030,7 @@ def _compare_table(views: Sequence[RunView]) -> str:
             if k not in keys:
                 keys.append(k)
     head = "<tr><th></th>" + "".join(f"<th>{_e(v.label)}</th>" for v in views) + "</tr>"
-    extra = [("status", [v.run.meta.get("status") for v in views]),
+    extra = [("status", [v.status for v in views]),
              ("rounds read", [len(v.infos) for v in views]),
              ("communities per round", [compress_counts([int(k) for k in v.n_comm]) for v in views])]
     body = "".join(f'<tr><td class="k">{_e(k)}</td>' + "".join(f"<td>{_value_html(x)}</td>" for x in vals) + "</tr>"
