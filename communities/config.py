@@ -22,9 +22,27 @@ from .errors import ConfigError
 __all__ = ["Config", "ConfigError", "load", "from_dict", "from_json", "apply_overrides", "read_yaml"]
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field holds numbers (int, float, Optional of them, List of them)."""
+    if annotation in (int, float):
+        return True
+    return any(_numeric(a) for a in get_args(annotation))
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: ``lr: .inf`` or ``.nan`` is an error naming the key, not a run that silently diverges.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info) -> Any:
+        # pydantic's lax mode takes ``seed: true`` as 1: a typo'd key or a YAML ``yes`` would run silently.
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is not None and _numeric(field.annotation):
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, bool) for v in values):
+                raise ValueError("must be a number, not a boolean")
+        return value
 
 
 class Schedule(_Section):
@@ -254,6 +272,8 @@ class FaultsConfig(_Section):
         "batch's own time after it, e.g. {0: 3.0} makes rank 0 three times slower")
     jitter: float = Field(0.0, ge=0, description="every rank sleeps a random [0, jitter] seconds after each batch")
 
+    disk_full_at: Optional[int] = Field(None, ge=1, description="from this unit on, every write into the run "
+                                        "directory fails as on a full disk (ENOSPC), on every rank")
 
     @model_validator(mode="after")
     def _nonzero_scale(self):
@@ -274,8 +294,10 @@ class CheckpointConfig(_Section):
 
 
 # Keys a resumed run may change: they do not alter what is computed up to the checkpoint.
+# ``name`` follows the run directory: a copied or renamed run directory resumes under its new name.
 RESUME_MAY_CHANGE = ("train.budget", "train.wall_budget", "output", "checkpoint", "comm.check_hashes", "comm.timeout",
-                     "consensus.stop", "consensus.patience", "consensus.tol", "train.eval_every")
+                     "consensus.stop", "consensus.patience", "consensus.tol", "train.eval_every", "name",
+                     "faults.disk_full_at")
 
 
 def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
@@ -554,8 +576,14 @@ def _parse_scalar(text: str, key: str = "") -> Any:
 
 
 def apply_overrides(raw: dict, overrides: List[str]) -> dict:
-    """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict."""
+    """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict.
+
+    An override merges into what is there: a section the file leaves out starts
+    from its default, so ``merge.ema.end=0.4`` keeps the default schedule's other
+    fields (a schedule written in the file is taken as written).
+    """
     out = plain(raw)
+    defaults = Config().model_dump()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
@@ -563,9 +591,12 @@ def apply_overrides(raw: dict, overrides: List[str]) -> dict:
         parts = key.strip().split(".")
         if not all(parts):
             raise ConfigError(f"override {item!r} has an empty key")
-        node = out
+        node, default = out, defaults
         for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
+            default = default.get(p) if isinstance(default, dict) else None
+            if p not in node:
+                node[p] = json.loads(json.dumps(default)) if isinstance(default, dict) else {}
+            nxt = node[p]
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is a value, not a section")
             node = nxt

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a bug or a crash: the job was aborted
-EXIT_USER = 2  # a user error: nothing trained (inspect: a missing or damaged run file)
+EXIT_USER = 2  # a user error: nothing trained, or a full disk stopped the run (inspect: a missing or damaged file)
 EXIT_WATCHDOG = 3  # the watchdog aborted the job: a blocking MPI wait outlasted comm.timeout
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal or STOP file, checkpoint written; resume with --resume
 
@@ -35,6 +35,17 @@ class ModelError(UserError, ValueError):
 
 class ResultsError(UserError, RuntimeError):
     """A results file that is missing or damaged; the message names the file."""
+
+
+class DiskError(ResultsError):
+    """The run directory could not be written (disk full, quota, read-only or failing filesystem).
+
+    Fixable by the user (free space, then ``--resume``); the message names the path and the free space.
+    """
+
+
+class RunLocked(UserError, RuntimeError):
+    """Another run holds the run directory's lock; the message names its host and pid."""
 
 
 class Disagreement(UserError, RuntimeError):

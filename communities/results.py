@@ -17,10 +17,13 @@ Layout of ``results/<name>/`` (see docs/results-layout.md):
 
 Writes are atomic: a file is written to a temporary name, fsynced and renamed; a
 round directory is built under a temporary name and renamed whole; JSONL files
-only ever get whole lines appended, and readers drop a torn last line.
+only ever get whole lines appended, and readers drop a torn last line. A write
+that fails (a full disk, a quota, a read-only or failing filesystem) leaves no
+temporary behind and becomes a ``DiskError`` naming the path and the free space.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -33,7 +36,7 @@ from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .errors import ResultsError
+from .errors import DiskError, ResultsError
 
 ROUND_FILES = ("signatures.npy", "Z.npy", "labels.npy", "round.json")
 
@@ -44,8 +47,18 @@ ROUND_FILES = ("signatures.npy", "Z.npy", "labels.npy", "round.json")
 LAUNCHER_FILES = ("job.sbatch", "slurm-*.out", "slurm-*.err")
 
 
+# The run directory's lock (communities/runlock.py): held by rank 0 of the run writing the directory. It is never
+# deleted (--overwrite keeps it: deleting a lock file another process has open would let two runs hold "the" lock).
+LOCK_FILE = ".lock"
+
+
 def _is_launcher_file(path: Path) -> bool:
     return path.is_file() and any(path.match(pattern) for pattern in LAUNCHER_FILES)
+
+
+def is_bookkeeping(path: Path) -> bool:
+    """A file that does not make a directory an existing run: a batch system's file, or the lock."""
+    return _is_launcher_file(path) or (path.name == LOCK_FILE and path.is_file())
 
 
 # What the engine and ``communities inspect`` put in a run directory. --overwrite clears a directory only when it
@@ -75,25 +88,66 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def free_space(path: Path) -> str:
+    """``"12.0 KiB free of 1.0 MiB"`` for the filesystem holding ``path`` (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError as exc:
+        return f"free space unknown ({exc.strerror or exc})"
+    return f"{_human(usage.free)} free of {_human(usage.total)}"
+
+
+def disk_error(path: Path, exc: OSError, doing: str = "write") -> DiskError:
+    """A failed write as a user error: what, where, why, and how much room the filesystem has left."""
+    code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+    why = exc.strerror or str(exc) or type(exc).__name__
+    return DiskError(f"cannot {doing} {path}: {why}{f' ({code})' if code else ''}; {free_space(path)} "
+                     "on that filesystem")
+
+
+def _injected_full(path: Path) -> OSError:
+    """What a full disk raises (``faults.disk_full_at``)."""
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def atomic_write_bytes(path: Path, data: bytes, full: bool = False) -> None:
+    """Write ``data`` to a temporary name, fsync, rename. On failure no temporary is left behind.
+
+    ``full`` simulates a disk that fills up mid-write (fault injection): half the bytes, then ENOSPC.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            fh.write(data[: len(data) // 2] if full else data)
             fh.flush()
+            if full:
+                raise _injected_full(path)
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        try:
             os.unlink(tmp)
+        except OSError:
+            pass
         raise
     _fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, default=_json_default) + "\n").encode())
+    atomic_write_bytes(path, _json_bytes(obj))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -119,11 +173,23 @@ def _np_bytes(arr: np.ndarray) -> bytes:
 
 
 class RunWriter:
-    """Rank 0's handle on a run directory. Only rank 0 constructs one."""
+    """Rank 0's handle on a run directory. Only rank 0 constructs one.
+
+    Every write goes through ``guard``: an OSError becomes a ``DiskError``
+    naming the path and the free space, with no temporary left behind. During set-up
+    it is raised at once (every rank stops there, collectively). Once the run trains,
+    ``defer_errors()`` makes the writer record the first failure in ``failure`` and
+    skip every later write instead, because rank 0 must not stop alone: the engine
+    shares ``failure`` with every rank at its next collective step.
+    """
 
     def __init__(self, root: Path, overwrite: bool = False, resume: bool = False):
         self.root = Path(root)
-        content = [p for p in self.root.iterdir() if not _is_launcher_file(p)] if self.root.exists() else []
+        self.failure: Optional[DiskError] = None
+        self.full = False  # fault injection (faults.disk_full_at): every write fails as on a full disk
+        self._defer = False
+        self._jsonl: Dict[str, int] = {}
+        content = [p for p in self.root.iterdir() if not is_bookkeeping(p)] if self.root.exists() else []
         if content and not (overwrite or resume):
             raise ResultsError(
                 f"run directory {str(self.root)!r} already exists; pass --overwrite to replace it "
@@ -140,45 +206,115 @@ class RunWriter:
                     "it yourself"
                 )
             for p in content:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        (self.root / "rounds").mkdir(parents=True, exist_ok=True)
-        self._jsonl: Dict[str, Any] = {}
+                self.guard(p, lambda p=p: shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(),
+                              "remove")
+        self.guard(self.root / "rounds", lambda: (self.root / "rounds").mkdir(parents=True, exist_ok=True),
+                      "create")
 
-    def write_json(self, name: str, obj: Any) -> None:
-        atomic_write_json(self.root / name, obj)
+    # ------------------------------------------------------------------ failures
 
-    def write_text(self, name: str, text: str) -> None:
-        atomic_write_text(self.root / name, text)
+    def defer_errors(self) -> None:
+        """From now on record the first failure (``failure``) and skip later writes instead of raising."""
+        self._defer = True
 
-    def append_jsonl(self, name: str, rows: Iterable[dict]) -> None:
-        """Append whole lines and fsync; a crash can tear at most the last line."""
-        fh = self._jsonl.get(name)
-        if fh is None:
-            fh = open(self.root / name, "a", encoding="utf-8")
-            self._jsonl[name] = fh
+    def guard(self, path: Path, write, doing: str = "write") -> bool:
+        """Run ``write`` (it writes ``path``); False when it failed, or was skipped after an earlier failure."""
+        if self.failure is not None:
+            return False
+        try:
+            write()
+            return True
+        except OSError as exc:
+            err = disk_error(path, exc, doing)
+        if not self._defer:
+            raise err
+        self.failure = err
+        return False
+
+    # ------------------------------------------------------------------ writes
+
+    def write_bytes(self, name: str, data: bytes) -> bool:
+        path = self.root / name
+        return self.guard(path, lambda: atomic_write_bytes(path, data, full=self.full))
+
+    def write_json(self, name: str, obj: Any) -> bool:
+        return self.write_bytes(name, _json_bytes(obj))
+
+    def write_text(self, name: str, text: str) -> bool:
+        return self.write_bytes(name, text.encode())
+
+    def append_jsonl(self, name: str, rows: Iterable[dict]) -> bool:
+        """Append whole lines and fsync; a crash can tear at most the last line, a failed write tears none."""
         text = "".join(json.dumps(r, default=_json_default) + "\n" for r in rows)
-        if text:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        if not text:
+            return self.failure is None
+        path = self.root / name
+        return self.guard(path, lambda: self._append(name, path, text.encode()))
 
-    def write_round(self, index: int, signatures: np.ndarray, Z: np.ndarray, labels: np.ndarray, info: dict) -> Path:
-        """Build ``rounds/round_NNNN`` under a temporary name, then rename it whole."""
+    def _append(self, name: str, path: Path, data: bytes) -> None:
+        fd = self._jsonl.get(name)
+        if fd is None:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._jsonl[name] = fd
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data[: len(data) // 2] if self.full else data)
+            while view:
+                view = view[os.write(fd, view):]
+            if self.full:
+                raise _injected_full(path)
+            os.fsync(fd)
+        except OSError:
+            try:  # cut what this append wrote, so the file ends on a whole line
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+
+    def write_round(self, index: int, signatures: np.ndarray, Z: np.ndarray, labels: np.ndarray,
+                    info: dict) -> Optional[Path]:
+        """Build ``rounds/round_NNNN`` under a temporary name, then rename it whole (None: it failed)."""
         final = self.root / "rounds" / f"round_{index:04d}"
-        tmp = Path(tempfile.mkdtemp(dir=self.root / "rounds", prefix=f".round_{index:04d}."))
-        for name, arr in (("signatures.npy", signatures), ("Z.npy", Z), ("labels.npy", labels)):
-            atomic_write_bytes(tmp / name, _np_bytes(np.ascontiguousarray(arr)))
-        atomic_write_json(tmp / "round.json", info)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        return final
+        tmp: List[Path] = []
+
+        def build() -> None:
+            tmp.append(Path(tempfile.mkdtemp(dir=self.root / "rounds", prefix=f".round_{index:04d}.")))
+            try:
+                for name, arr in (("signatures.npy", signatures), ("Z.npy", Z), ("labels.npy", labels)):
+                    atomic_write_bytes(tmp[0] / name, _np_bytes(np.ascontiguousarray(arr)), full=self.full)
+                atomic_write_bytes(tmp[0] / "round.json", _json_bytes(info), full=self.full)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp[0], final)
+            except BaseException:
+                shutil.rmtree(tmp[0], ignore_errors=True)
+                raise
+            _fsync_dir(final.parent)
+
+        return final if self.guard(final, build) else None
+
+    def sweep(self) -> List[Path]:
+        """Remove the hidden temporaries a failed or killed writer may have left (the caller holds the lock)."""
+        gone = []
+        for p in list(self.root.glob(".*.tmp")) + list((self.root / "rounds").glob(".round_*")):
+            try:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                gone.append(p)
+            except OSError:
+                pass
+        return gone
 
     def close(self) -> None:
-        for fh in self._jsonl.values():
-            fh.close()
+        for fd in self._jsonl.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         self._jsonl.clear()
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, default=_json_default) + "\n").encode()
 
 
 # --------------------------------------------------------------------------- records

@@ -5,13 +5,8 @@ from pathlib import Path
 
 import pytest
 
-
-@pytest.fixture
-def tiny_config(tmp_path) -> Path:
-    """A config that trains in seconds: synthetic data, small MLP, 2 planted groups."""
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(
-        """
+# A config that trains in seconds: synthetic data, small MLP, 2 planted groups.
+TINY = """
 name: tiny
 seed: 3
 data:
@@ -27,5 +22,11 @@ signature: {dim: 64, every: 5}
 partners: {p_cross: {start: 0.05, end: 1.0, shape: linear, begin: 5, horizon: 20}}
 consensus: {tol: 0.05, patience: 2, stop: false}
 """
-    )
+
+
+@pytest.fixture
+def tiny_config(tmp_path) -> Path:
+    """A config that trains in seconds: synthetic data, small MLP, 2 planted groups."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
     return cfg

@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 
 from ..core.protocol import RunningDigest
-from ..errors import ConfigError, Preempted
+from ..errors import ConfigError, DiskError, Preempted, collective
 from ..results import Summary, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
@@ -68,8 +68,15 @@ class Engine:
                  "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement,
                  "faults": self.faults}
         self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts,
-                                        before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info)
-        self.t = self.checkpoints.load(resumed) if resumed is not None else 0
+                                        before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info,
+                                        failure=lambda: self.run_dir.failure)
+        try:
+            self.t = self.checkpoints.load(resumed, self.run_dir.resume_data) if resumed is not None else 0
+        except BaseException:
+            self.run_dir.release()
+            raise
+        self.run_dir.resume_data = None
+        self.loaded_t = self.t if resumed is not None else -1
 
     # ------------------------------------------------------------------ the loop
 
@@ -84,13 +91,17 @@ class Engine:
                     if self._unit(t):
                         break
                 self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
-                if self.cfg.checkpoint.at_end:
+                # (a resume of a run that reached its end but could not write it: the checkpoint loaded is the end)
+                if self.cfg.checkpoint.at_end and self.t != self.loaded_t:
                     self.checkpoints.save(self.t, final=True)
                 summary = self._finish()
         except Preempted:
             # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
             # they are exiting, and they must still exit 75 rather than die of the signal.
             raise
+        except DiskError as exc:  # raised on every rank at the same collective step
+            stopflag.restore(previous_handlers)
+            raise self.run_dir.failed(exc, self.t) from None
         else:
             stopflag.restore(previous_handlers)
             return summary
@@ -100,6 +111,8 @@ class Engine:
     def _unit(self, t: int) -> bool:
         """Unit t of this rank; True when the run ends here (consensus reached, or the wall budget spent)."""
         self.world.watchdog.context = f"t={t}"
+        if self.cfg.faults.disk_full_at is not None and t >= self.cfg.faults.disk_full_at:
+            self._fill_disk()
         self.log.unit(self.replica.train_unit(t, self.mixer.grad_sync, self.mixer.unit_steps,
                                               self.mixer.between_batches))
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
@@ -109,12 +122,14 @@ class Engine:
                              self.replica.test_acc, self.replica.recent_loss)
         if decision is not None and decision.stop:  # identical on every rank (virtual clock): a stop signal is moot
             return True
-        signal = stopflag.requested() or self.run_dir.stop_file_present()
+        # A write that failed on rank 0 (a full disk) stops every rank like a signal, then raises there.
+        signal = stopflag.requested() or self.run_dir.stop_file_present() or self.run_dir.failure is not None
         reason = self.mixer.stop_reason(t, self.rounds.due(t), signal)
         if reason == "budget":
             return True
         if reason == "signal":
             self.mixer.drain()
+            self._share_failure()
             self.checkpoints.save(t)
             self._preempt(t)
         if self.checkpoints.due(t):
@@ -133,12 +148,24 @@ class Engine:
 
     # ------------------------------------------------------------------ stop and finish
 
+    def _share_failure(self) -> None:
+        """A collective: rank 0's recorded write failure, if any, raised as the same DiskError on every rank."""
+        failure = self.run_dir.failure
+        message = self.world.bcast_text(str(failure) if failure is not None else "")
+        if message:
+            raise collective(DiskError(message))
+
+    def _fill_disk(self) -> None:
+        """Fault injection (``faults.disk_full_at``): from now on every write into the run directory fails."""
+        self.checkpoints.full = True
+        if self.run_dir.writer is not None:
+            self.run_dir.writer.full = True
+
     def _preempt(self, t: int) -> None:
         self.run_dir.interrupted(t)
         # No rank exits before rank 0 has committed: srun --kill-on-bad-exit would otherwise kill rank 0
         # mid-commit when the first rank exits 75.
-        with self.world.watchdog.waiting("Barrier before exiting on a stop (rank 0 commits the checkpoint)"):
-            self.world.barrier()
+        self.world.barrier("Barrier before exiting on a stop (rank 0 commits the checkpoint)")
         raise Preempted(f"stopped at t={t}")
 
     def _checkpoint_info(self) -> dict:
@@ -167,7 +194,8 @@ class Engine:
         with self.world.monitoring():  # measuring, not training traffic
             self.timer.settle(self.world)
         summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views)
-        self.run_dir.complete()
+        self.run_dir.complete(self.log.products)
+        self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary
 
 

@@ -161,18 +161,16 @@ class SignatureRounds:
         with self.timer("idle"):
             if not self.cfg.signature.overlap:
                 return self.world.allgather(sig)
-            previous, self.pending = self.pending, self.world.iallgather(sig)
+            previous, self.pending = self.pending, self.world.iallgather(sig, "Iallgather of signatures")
             if previous is None:
                 return None
-            with self.world.watchdog.waiting("Iallgather of signatures (some rank has not arrived)"):
-                previous[0].Wait()
+            previous[0].Wait()  # watched like a blocking collective
             return previous[1]
 
     def drain(self) -> None:
         """Complete a gather still in flight: no request may stay active into MPI_Finalize or a checkpoint."""
         if self.pending is not None and not isinstance(self.pending[0], _Done):
-            with self.world.watchdog.waiting("Iallgather of signatures (some rank has not arrived)"):
-                self.pending[0].Wait()
+            self.pending[0].Wait()  # watched like a blocking collective
             self.pending = (_Done(), self.pending[1], None)
 
     def state_dict(self) -> dict:

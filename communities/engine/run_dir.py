@@ -1,9 +1,18 @@
 """The run directory as the engine opens, resumes and closes it (rank 0 writes; every rank learns the outcome).
 
-Opening is a collective step: rank 0 creates the directory (or, with
-``--resume``, finds the last complete checkpoint that fits this job and rewinds
-the logs to it) and every rank learns which checkpoint to load, so a refusal
-stops every rank with the same message before anything trains.
+Opening is a collective step:
+
+1. rank 0 takes the directory's lock (communities/runlock.py) before anything in
+   it is deleted or written, so a second run on it is refused, naming the holder;
+2. with ``--resume``, every rank checks its own file of each complete checkpoint,
+   newest first, against the checkpoint's manifest; the newest one intact on
+   every rank is taken, and damaged newer ones are moved to ``checkpoints/damaged/``
+   with a message (none intact: an error naming the files);
+3. rank 0 creates the directory, or checks that the checkpoint fits this job and
+   rewinds the logs to it.
+
+So a refusal stops every rank with the same message before anything trains. The
+lock is held until the run ends (``complete``, ``interrupted`` or ``failed``).
 """
 from __future__ import annotations
 
@@ -15,14 +24,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..config import differences
-from ..errors import ConfigError, ResultsError, RunComplete
+from ..errors import ConfigError, DiskError, ResultsError, RunComplete, collective
+from ..manifest import DAMAGED, LATEST, complete_dirs
 from ..results import RunWriter, atomic_write_bytes, read_json, read_jsonl, repair_jsonl
+from ..runlock import RunLock
 from ..runtime.collective import collective_check
 from ..runtime.comm import World
 from ..workload import data
@@ -36,43 +47,126 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def by_rank(bad: List[Tuple[int, str]], size: int) -> str:
+    """``rank 1: msg; ranks 2, 3: msg`` (one message when every rank says the same)."""
+    groups: Dict[str, List[int]] = {}
+    for r, m in bad:
+        groups.setdefault(m, []).append(r)
+    if len(groups) == 1 and len(bad) == size:
+        return next(iter(groups))
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in groups.items())
+
+
 class RunDirectory:
-    """``results/<name>/`` of one run: its writer (rank 0), ``meta.json``, and the checkpoint to resume from."""
+    """``results/<name>/`` of one run: its lock and writer (rank 0), ``meta.json``, and the checkpoint to resume."""
 
     def __init__(self, cfg, world: World, path: Path):
         self.cfg, self.world, self.path = cfg, world, Path(path)
         self.writer: Optional[RunWriter] = None
+        self.lock: Optional[RunLock] = None
         self.meta: dict = {}
         self.resumed_from: Optional[Path] = None
+        self.resume_data: Optional[bytes] = None  # this rank's file of ``resumed_from``, read and checked
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
 
     def open(self, overwrite: bool, resume, partition: Callable[[], dict], argv: List[str], device: torch.device,
              n_params: int) -> Optional[Path]:
-        """Create or continue the directory (a collective); returns the checkpoint every rank loads, or None.
+        """Lock, then create or continue the directory (a collective); returns the checkpoint every rank loads.
 
         ``resume`` is False, True (``--resume``) or ``"auto"`` (a SLURM restart:
         resume if there is a checkpoint, else start over). ``partition`` gives
         ``partition.json``'s record; rank 0 calls it inside the collective check.
         """
-        def open_writer():
-            ckpt = self._find_checkpoint(resume) if resume else None
-            if ckpt is None:
-                fresh_over_partial = resume == "auto"  # requeued before any checkpoint: same job, start over
-                w = RunWriter(self.path, overwrite=overwrite or fresh_over_partial)
-                w.write_json("partition.json", partition())
-            else:
-                w = RunWriter(self.path, resume=True)
-                self._rewind(checkpoint.read_info(ckpt)["t"])
-            w.write_text("config.yaml", self.cfg.to_yaml())
-            return w, ckpt
+        try:
+            return self._open(overwrite, resume, partition, argv, device, n_params)
+        except BaseException:
+            self.release()
+            raise
 
-        opened = collective_check(self.world, open_writer)
-        self.writer, ckpt = opened if self.world.rank == 0 else (None, None)
-        name = self.world.bcast_text(ckpt.name if ckpt is not None else "")
-        hosts = self.world.hostnames()
-        if self.world.rank == 0:
-            self._write_meta(name, hosts, argv, device, n_params)
-        self.resumed_from = self.path / "checkpoints" / name if name else None
+    def _open(self, overwrite, resume, partition, argv, device, n_params) -> Optional[Path]:
+        w = self.world
+
+        def lock_and_list() -> str:
+            self.lock = RunLock(self.path)
+            note = self.lock.acquire(argv)
+            if note:
+                print(note, flush=True)
+            if not resume:
+                return ""
+            self._refuse_complete()
+            found = complete_dirs(self.checkpoints)
+            if not found and resume is True:
+                raise ResultsError(f"{self.checkpoints}: no complete checkpoint to resume from")
+            return "\n".join(p.name for p in found)
+
+        names = [n for n in w.bcast_text(collective_check(w, lock_and_list)).split("\n") if n]
+        chosen, damaged = self._choose(names)
+        if names and chosen is None:
+            detail = "; ".join(f"{name}: {why}" for name, why in damaged)
+            raise collective(ResultsError(
+                f"no intact checkpoint to resume from in {self.checkpoints}: {detail}. Nothing was changed; "
+                "--overwrite starts the run over (deleting them)"))
+
+        def open_writer() -> RunWriter:
+            if chosen is None:
+                fresh_over_partial = resume == "auto"  # requeued before any checkpoint: same job, start over
+                writer = RunWriter(self.path, overwrite=overwrite or fresh_over_partial)
+                writer.write_json("partition.json", partition())
+            else:
+                ckpt = self.checkpoints / chosen
+                info = checkpoint.read_info(ckpt)
+                self._check_fits(ckpt, info)
+                writer = RunWriter(self.path, resume=True)
+                if damaged:
+                    self._set_aside(writer, damaged, chosen, info["t"])
+                writer.guard(self.path, lambda: self._rewind(info["t"]), "rewind the logs in")
+                writer.sweep()  # temporaries of the run that stopped (it is gone: this run holds the lock)
+            writer.write_text("config.yaml", self.cfg.to_yaml())
+            return writer
+
+        self.writer = collective_check(w, open_writer)
+        hosts = w.hostnames()
+        collective_check(w, lambda: self._write_meta(chosen or "", hosts, argv, device, n_params))
+        if self.writer is not None:
+            self.writer.defer_errors()  # from here on rank 0 must not stop alone: the engine shares failures
+        self.resumed_from = self.checkpoints / chosen if chosen else None
         return self.resumed_from
+
+    def _choose(self, names: List[str]) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+        """Every rank checks its own file of each checkpoint, newest first; the first intact everywhere is taken."""
+        w = self.world
+        damaged: List[Tuple[str, str]] = []
+        for name in names:
+            problem, data_, checked = checkpoint.verify_own(self.checkpoints / name, w.rank)
+            said = w.allgather_text(problem, width=1024)
+            bad = [(r, m) for r, m in enumerate(said) if m]
+            if not bad:
+                self.resume_data = data_
+                if w.rank == 0 and not checked:
+                    print(f"communities: checkpoint {name} has no checksums (written by an older version); "
+                          "loading it unchecked", flush=True)
+                return name, damaged
+            damaged.append((name, by_rank(bad, w.size)))
+        return None, damaged
+
+    def _set_aside(self, writer: RunWriter, damaged: List[Tuple[str, str]], chosen: str, t: int) -> None:
+        """Rank 0: move damaged newer checkpoints to ``checkpoints/damaged/`` (kept, out of the way), and say so."""
+        for name, why in damaged:
+            target = self.checkpoints / DAMAGED / name
+            k = 1
+            while target.exists():
+                target = self.checkpoints / DAMAGED / f"{name}.{k}"
+                k += 1
+            src = self.checkpoints / name
+            writer.guard(target, lambda src=src, target=target: (target.parent.mkdir(exist_ok=True),
+                                                                 os.replace(src, target)), "move a checkpoint to")
+            print(f"communities: checkpoint {name} is damaged ({why}); moved to {target}", flush=True)
+        pointer = self.checkpoints / LATEST
+        writer.guard(pointer, lambda: atomic_write_bytes(pointer, (chosen + "\n").encode()))
+        print(f"communities: falling back to checkpoint {chosen} (t={t}), the newest intact one", flush=True)
 
     def _write_meta(self, resumed_from: str, hosts: List[str], argv: List[str], device, n_params: int) -> None:
         import mpi4py
@@ -92,18 +186,14 @@ class RunDirectory:
         }
         self.writer.write_json("meta.json", self.meta)
 
-    def _find_checkpoint(self, resume) -> Optional[Path]:
-        """Rank 0: the last complete checkpoint, after checking it fits this job; None to start fresh."""
+    def _refuse_complete(self) -> None:
         summary = self.path / "summary.json"
         if summary.exists() and (self.path / "meta.json").exists() and \
                 read_json(self.path / "meta.json").get("status") == "complete":
             raise RunComplete(f"{self.path} is already complete ({summary}); nothing to resume")
-        ckpt = checkpoint.latest(self.path / "checkpoints")
-        if ckpt is None:
-            if resume == "auto":
-                return None
-            raise ResultsError(f"{self.path / 'checkpoints'}: no complete checkpoint to resume from")
-        info = checkpoint.read_info(ckpt)
+
+    def _check_fits(self, ckpt: Path, info: dict) -> None:
+        """Rank 0: the checkpoint was written by a job like this one (world size, format, config)."""
         if info.get("world_size") != self.world.size:
             raise ConfigError(f"cannot resume from {ckpt}: it was written by {info.get('world_size')} ranks, "
                               f"this job has {self.world.size}")
@@ -113,10 +203,10 @@ class RunDirectory:
         diffs = differences(info.get("config", {}), self.cfg.model_dump())
         if diffs:
             raise ConfigError(f"cannot resume from {ckpt}: the config differs: " + "; ".join(diffs))
-        if info.get("final") and info["t"] >= self.cfg.train.budget:
+        # A final checkpoint at the budget resumes only to finish a run whose end was not written (a full disk).
+        if info.get("final") and info["t"] > self.cfg.train.budget:
             raise ConfigError(f"cannot resume from {ckpt}: it is the end of a {info['t']}-unit run; "
                               f"raise train.budget to continue training")
-        return ckpt
 
     def _rewind(self, t: int) -> None:
         """Rank 0: drop log rows and rounds written after unit t (they will be redone identically)."""
@@ -134,18 +224,31 @@ class RunDirectory:
         for stale in ("summary.json", "consensus.pt", STOP_FILE):
             (self.path / stale).unlink(missing_ok=True)
 
+    # ------------------------------------------------------------------ during the run
+
+    @property
+    def failure(self) -> Optional[DiskError]:
+        """Rank 0: the first write that failed since the run started training (None elsewhere)."""
+        return self.writer.failure if self.writer is not None else None
+
     def stop_file_present(self) -> bool:
         """Rank 0: ``RUN_DIR/STOP`` asks the run to stop at the next round."""
         return self.world.rank == 0 and (self.path / STOP_FILE).exists()
+
+    # ------------------------------------------------------------------ the end
 
     def interrupted(self, t: int) -> None:
         """Rank 0, after the stop checkpoint: record the interruption and ask SLURM to requeue if configured."""
         if self.writer is None:
             return
-        (self.path / STOP_FILE).unlink(missing_ok=True)
+        try:
+            (self.path / STOP_FILE).unlink(missing_ok=True)
+        except OSError:
+            pass
         self.meta.update(status="interrupted", end_time=now())
         self.writer.write_json("meta.json", self.meta)
         self.writer.close()
+        self.release()
         job = os.environ.get("SLURM_JOB_ID")
         requeued = False
         if job and self.cfg.checkpoint.requeue and shutil.which("scontrol"):
@@ -156,13 +259,63 @@ class RunDirectory:
         print(f"communities: stopped at t={t}, checkpoint written"
               + (f"; job {job} requeued" if requeued else "; continue with --resume"), flush=True)
 
-    def complete(self) -> None:
-        """Rank 0: the run finished."""
+    def complete(self, files: Optional[dict] = None) -> None:
+        """Rank 0: the run finished; ``files`` are the manifest entries of its products (``consensus.pt``)."""
         if self.writer is None:
             return
-        self.meta.update(end_time=now(), status="complete")
-        self.writer.write_json("meta.json", self.meta)
+        if self.writer.failure is None:
+            self.meta.update(end_time=now(), status="complete")
+            if files:
+                self.meta["files"] = files
+            self.writer.write_json("meta.json", self.meta)
         self.writer.close()
+        if self.writer.failure is None:
+            self.release()
+
+    def failed(self, exc: DiskError, t: int) -> DiskError:
+        """Rank 0, when a write failed: no temporaries left, ``meta.json`` says why, the lock released.
+
+        Returns the error to report, with what to do next (the other ranks keep theirs: only rank 0 prints).
+        """
+        if self.writer is None:
+            return exc
+        w = self.writer
+        w.full = False  # fault injection: the disk "has room" again once the failed writes are cleaned up
+        w.close()
+        w.sweep()
+        w.failure, reason = None, str(exc)
+        self.meta.update(status="failed", end_time=now(), reason=reason)
+        w.defer_errors()
+        wrote = w.write_json("meta.json", self.meta) or self._meta_in_place()
+        self.release()
+        found = complete_dirs(self.checkpoints)
+        last = f"its last complete checkpoint {found[0].name} is intact" if found else "it has no checkpoint yet"
+        tail = (f"The run stopped at t={t}; {last}. Free some space, then continue with --resume"
+                if found else f"The run stopped at t={t}; {last}. Free some space, then start it again (--overwrite)")
+        if not wrote:
+            tail += f" ({self.path / 'meta.json'} could not be updated: it still says 'running')"
+        err = DiskError(f"{reason}. {tail}")
+        collective(err)
+        return err
+
+    def _meta_in_place(self) -> bool:
+        """On a disk with no room for a new file, overwrite meta.json's own blocks (it only grows by a line)."""
+        path = self.path / "meta.json"
+        try:
+            data = (json.dumps(self.meta, indent=2) + "\n").encode()
+            with open(path, "r+b") as fh:
+                fh.write(data)
+                fh.truncate()
+                fh.flush()
+                os.fsync(fh.fileno())
+            return True
+        except OSError:
+            return False
+
+    def release(self) -> None:
+        """Rank 0: give the directory's lock back (idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def describe_partition(replica) -> dict:

@@ -4,10 +4,11 @@ Rows are typed records (``results.MetricRow``, ``results.MergeRow``) kept on
 each rank and gathered to rank 0 as float64 blocks at every signature round, at
 checkpoints and at the end (no pickle, no per-unit collective). Rank 0 alone
 writes ``metrics.jsonl``, ``merges.jsonl``, ``consensus.jsonl``,
-``examples.jsonl``, ``rounds/`` and ``summary.json``. Under ``protocol: async``
-there is no collective in the loop: the rows reach rank 0 at a stop and at the
-end, rank 0 writes its own view as ``rounds/``, and every rank's views go to
-``views.jsonl``.
+``examples.jsonl``, ``rounds/`` and ``summary.json``, through the run writer, which
+records a failed write instead of raising (the engine stops every rank on it). Under
+``protocol: async`` there is no collective in the loop: the rows reach rank 0 at a
+stop and at the end, rank 0 writes its own view as ``rounds/``, and every rank's
+views go to ``views.jsonl``.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from ..core.clustering import adjusted_rand
 from ..core.partners import Law
+from ..manifest import entry
 from ..results import (
     TIME_CATEGORIES,
     Event,
@@ -28,7 +30,6 @@ from ..results import (
     MetricRow,
     RunWriter,
     Summary,
-    atomic_write_bytes,
     finite_or_none,
 )
 from ..runtime.comm import World
@@ -52,6 +53,7 @@ class RunLog:
         self.metric_rows: List[MetricRow] = []
         self.merge_rows: List[MergeRow] = []
         self.merges_logged = 0  # rank 0: pairwise merges written (counted once, at the initiator)
+        self.products: dict = {}  # rank 0: manifest entries of the files written at the end
 
     def unit(self, row: MetricRow) -> None:
         self.metric_rows.append(row)
@@ -164,7 +166,8 @@ class RunLog:
         accs = g["test_acc"]
         buf = io.BytesIO()
         torch.save(consensus_state, buf)
-        atomic_write_bytes(self.writer.root / "consensus.pt", buf.getvalue())
+        if self.writer.write_bytes("consensus.pt", buf.getvalue()):
+            self.products["consensus.pt"] = entry(buf.getvalue())  # its size and digest go into meta.json
         units = [int(u) for u in g["units"]]
         summary = Summary(
             **{**run, "units": max(units)}, units_per_rank=units, merges=self.merges_logged,

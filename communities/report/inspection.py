@@ -21,6 +21,13 @@ Everything is written to ``--out`` (default ``RUN_DIR/report``, or
 summary. A missing or damaged file is reported in one line naming it, with exit
 status 2; damage that only warns is printed as ``warning:`` lines and the rest is
 read.
+
+It also checks what a run vouches for: ``consensus.pt`` against the size and
+BLAKE2b digest in ``meta.json`` (a mismatch is an error naming it) and each
+complete checkpoint against its manifest (a mismatch is a warning saying which
+checkpoint ``--resume`` would take instead). A run whose ``meta.json`` says
+``running`` but whose process is gone (nobody holds its lock, and its pid is dead
+or its heartbeat old: communities/runlock.py) is reported as ``interrupted``.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from scipy.cluster import hierarchy
 from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import pdist
 
+from .. import manifest, runlock
 from ..core.clustering import adjusted_rand
 from ..results import ResultsError, Run, load_round, open_run, read_jsonl
 
@@ -255,6 +256,7 @@ class RunView:
     merge_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
     view_agreement: Dict[int, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # async: rank -> (wall, ARI)
     notes: List[str] = field(default_factory=list)
+    status: str = "?"  # meta.json's status as it stands (a killed run's "running" reads "interrupted")
 
     @property
     def path(self) -> Path:
@@ -318,7 +320,49 @@ def _open_view(path: Path) -> RunView:
     summary = run.summary or {}
     name = str(summary.get("name") or run.config.get("name") or path.name)
     strategy = str(run.meta.get("strategy") or run.config.get("strategy") or summary.get("strategy") or "?")
-    return RunView(run=run, label=f"{name} ({strategy})", name=name, strategy=strategy, n=n, groups=groups)
+    view = RunView(run=run, label=f"{name} ({strategy})", name=name, strategy=strategy, n=n, groups=groups)
+    view.status = run_status(path, run.meta, view.notes)
+    check_products(path, run.meta, view.notes)
+    return view
+
+
+def run_status(path: Path, meta: dict, notes: List[str]) -> str:
+    """meta.json's status, except that a ``running`` run whose process is gone is ``interrupted`` (noted why)."""
+    status = str(meta.get("status", "?"))
+    state = runlock.probe(path)
+    effective = runlock.effective_status(status, state)
+    if effective != status:
+        age = f"{state.age / 60:.0f} min ago" if state.age is not None else "long ago"
+        why = ("its process is gone" if state.holder_alive is False
+               else f"nobody holds its lock and its last heartbeat was {age}")
+        notes.append(f"{path / 'meta.json'} says '{status}', but {why} ({runlock.describe(state.holder)}): "
+                     f"read as '{effective}' (killed, or its node failed); continue it with --resume")
+    return effective
+
+
+def check_products(path: Path, meta: dict, notes: List[str]) -> None:
+    """consensus.pt against meta.json's digest (damage is an error), checkpoints against their manifests (warned)."""
+    files = meta.get("files")
+    if isinstance(files, dict):
+        for name, expected in files.items():
+            if not isinstance(expected, dict):
+                raise ResultsError(f"{path / 'meta.json'}: damaged ('files' entry {name!r} is not an object)")
+            why = manifest.file_mismatch(path / name, expected)
+            if why is not None:
+                raise ResultsError(f"{path / name}: damaged ({why}; compared with {path / 'meta.json'})")
+    intact = None
+    damaged = []
+    for d in manifest.complete_dirs(path / "checkpoints"):
+        bad = manifest.problems(d)
+        if bad:
+            damaged.append((d, bad))
+        elif intact is None:
+            intact = d
+    for d, bad in damaged:
+        newer = intact is None or d.name > intact.name
+        then = (f"--resume falls back to {intact.name}" if intact is not None and newer
+                else "--resume finds no intact checkpoint" if intact is None else "it is older than the one in use")
+        notes.append(f"checkpoint {d.name} is damaged: {'; '.join(bad)} ({then})")
 
 
 def _read_rounds(view: RunView) -> None:
@@ -337,7 +381,7 @@ def _read_rounds(view: RunView) -> None:
             # last round directory is the tail of the crash, not a reason to refuse the rest.
             if pos == len(run.round_paths) - 1 and not run.complete:
                 view.notes.append(f"{one_line(exc)}; the run did not finish (status "
-                                  f"{run.meta.get('status', '?')}), so it is read up to the round before")
+                                  f"{view.status}), so it is read up to the round before")
                 break
             raise
         info = rnd.info
@@ -482,8 +526,8 @@ def _final_accuracy(view: RunView) -> str:
 
 def summary_text(view: RunView) -> str:
     """The terminal summary of one run: what a user wants to know before opening the report."""
-    meta, s = view.run.meta, view.run.record
-    status = str(meta.get("status", "?"))
+    s = view.run.record
+    status = view.status
     lines = [f"== {view.label}: {view.path}"]
     head = f"status {status}, {view.n} ranks"
     if s is None:

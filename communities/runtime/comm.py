@@ -52,43 +52,168 @@ def _mpi():
 
 
 
+class RollCall:
+    """Who has reached which collective, asked only when the watchdog fires.
+
+    Each rank counts the collectives it enters on the world communicator. Every rank
+    calls them in the same order, so count k is the same collective everywhere: a rank
+    whose count is below k has not arrived at it. The counts are not exchanged in the
+    normal path (the cost there is one integer increment per collective, and one
+    ``Iprobe`` per watchdog period on a duplicate communicator, by the watchdog
+    thread). When a wait times out, the waiting rank asks every other rank for its
+    count and what it is blocked in; each rank's watchdog thread answers, also while
+    its main thread computes, so even a stalled rank reports itself. Needs
+    ``MPI_THREAD_MULTIPLE`` (mpi4py's default); without it the watchdog says less.
+    """
+
+    QUERY, ANSWER = 1001, 1002
+    WIDTH = 160  # bytes of an answer: "count|what"
+    ASK_S = 2.5  # how long the asking rank waits for answers (each thread answers within a watchdog period)
+
+    def __init__(self, comm):
+        MPI = _mpi()
+        self.MPI = MPI
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        usable = self.size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self.comm = comm.Dup() if usable else None  # a collective (every rank constructs its World together)
+        self.count = 0
+        self.doing = lambda: None  # what this rank waits in (the watchdog sets it)
+        self._sends: list = []
+        self._lock = threading.Lock()
+
+    def enter(self) -> int:
+        """This rank enters its next collective; returns its number."""
+        self.count += 1
+        return self.count
+
+    def _answer(self) -> bytes:
+        what = self.doing()
+        text = f"{self.count}|{what if what is not None else ''}"
+        return text.encode()[: self.WIDTH].ljust(self.WIDTH, b"\0")
+
+    def serve(self) -> None:
+        """Answer the queries that arrived (the watchdog thread calls this every period)."""
+        if self.comm is None:
+            return
+        MPI = self.MPI
+        with self._lock:
+            status = MPI.Status()
+            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=self.QUERY, status=status):
+                src = status.Get_source()
+                self.comm.Recv(np.empty(1, dtype=np.int64), source=src, tag=self.QUERY)
+                buf = np.frombuffer(self._answer(), dtype=np.uint8).copy()
+                self._sends.append((self.comm.Isend(buf, dest=src, tag=self.ANSWER), buf))
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def ask(self) -> Dict[int, Optional[Tuple[int, str]]]:
+        """Every other rank's (count, what it waits in), or None for a rank that did not answer in ``ASK_S``."""
+        if self.comm is None:
+            return {}
+        query = np.zeros(1, dtype=np.int64)
+        bufs = {r: np.zeros(self.WIDTH, dtype=np.uint8) for r in range(self.size) if r != self.rank}
+        with self._lock:
+            sends = [self.comm.Isend(query, dest=r, tag=self.QUERY) for r in bufs]
+            recvs = {r: self.comm.Irecv(b, source=r, tag=self.ANSWER) for r, b in bufs.items()}
+        done: Dict[int, bool] = {}
+        deadline = time.monotonic() + self.ASK_S
+        while time.monotonic() < deadline and len(done) < len(recvs):
+            self.serve()  # the others are asking too
+            with self._lock:
+                for r, req in recvs.items():
+                    if r not in done and req.Test():
+                        done[r] = True
+            time.sleep(0.02)
+        del sends  # never waited for: the job is aborted next
+        out: Dict[int, Optional[Tuple[int, str]]] = {}
+        for r, b in bufs.items():
+            if r not in done:
+                out[r] = None
+                continue
+            count, _, what = bytes(b).rstrip(b"\0").decode(errors="replace").partition("|")
+            out[r] = (int(count), what) if count.isdigit() else None
+        return out
+
+
+def missing_ranks(seq: int, answers: Dict[int, Optional[Tuple[int, str]]]) -> str:
+    """Which ranks have not arrived at collective ``seq``, from the roll call's answers (pure, for the message)."""
+    late, silent = [], []
+    for r in sorted(answers):
+        a = answers[r]
+        if a is None:
+            silent.append(r)
+        elif a[0] < seq:
+            doing = f"waiting in {a[1]}" if a[1] else "busy outside MPI: computing or writing"
+            late.append(f"rank {r} (at collective #{a[0]}: {doing})")
+    parts = []
+    if late:
+        parts.append("not arrived: " + ", ".join(late))
+    if silent:
+        parts.append(f"no answer from rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                     f"(frozen, or gone)")
+    return "; ".join(parts) if parts else "every rank that answered has arrived"
+
+
 class Watchdog:
     """Aborts the job when one blocking MPI call outlasts ``timeout`` seconds, naming what it waited for.
 
-    A daemon thread polls the call in progress; the main thread only stores two
+    A daemon thread polls the call in progress; the main thread only stores a few
     fields around each call. A hung peer then costs ``timeout`` seconds and a
-    clear message instead of a job that sits until the batch system kills it.
+    clear message instead of a job that sits until the batch system kills it. In a
+    collective the message names the ranks that have not arrived (``RollCall``).
     """
 
-    def __init__(self, rank: int, timeout: float, abort):
-        self.rank, self.timeout, self._abort = rank, float(timeout), abort
+    def __init__(self, rank: int, timeout: float, abort, roll: Optional[RollCall] = None):
+        self.rank, self.timeout, self._abort, self.roll = rank, float(timeout), abort, roll
         self.context = ""  # set by the engine, e.g. "t=12"
         self._since = 0.0
         self._what: Optional[str] = None
+        self._seq: Optional[int] = None
+        self._stop = threading.Event()
+        if roll is not None:
+            roll.doing = lambda: self._what
         if self.timeout > 0:
             threading.Thread(target=self._watch, name="communities-watchdog", daemon=True).start()
 
     @contextmanager
-    def waiting(self, what: str):
+    def waiting(self, what: str, seq: Optional[int] = None):
+        """Around one blocking MPI call; ``seq``: the number of the collective it completes (``RollCall``)."""
         self._since = time.monotonic()
-        self._what = what
+        self._what, self._seq = what, seq
         try:
             yield
         finally:
             self._what = None
 
+    def stop(self) -> None:
+        self._stop.set()
+
     def _watch(self) -> None:
         period = max(0.05, min(1.0, self.timeout / 4))
-        while True:
-            time.sleep(period)
-            what, since = self._what, self._since
+        while not self._stop.wait(period):
+            if self.roll is not None:
+                self.roll.serve()
+            what, since, seq = self._what, self._since, self._seq
             if what is not None and time.monotonic() - since > self.timeout:
                 where = f" at {self.context}" if self.context else ""
+                who = ""
+                if seq is not None and self.roll is not None and self.roll.comm is not None:
+                    who = f" (collective #{seq}): {missing_ranks(seq, self.roll.ask())}"
                 sys.stderr.write(f"communities: watchdog: rank {self.rank} waited more than {self.timeout:g}s{where} "
-                                 f"in {what}; aborting the job (comm.timeout)\n")
+                                 f"in {what}{who}; aborting the job (comm.timeout)\n")
                 sys.stderr.flush()
                 self._abort(3)
                 return
+
+
+class WatchedRequest:
+    """A non-blocking collective's request whose ``Wait`` the watchdog watches (and the roll call can place)."""
+
+    def __init__(self, request, world: "World", what: str, seq: int):
+        self.request, self.world, self.what, self.seq = request, world, what, seq
+
+    def Wait(self) -> None:
+        with self.world.watchdog.waiting(self.what, self.seq):
+            self.request.Wait()
 
 
 class World:
@@ -106,7 +231,8 @@ class World:
         self.bytes_data = 0  # training examples passed between partners (examples.pass_hard), kept apart
         self._staging: Dict[Tuple[str, int, torch.dtype], torch.Tensor] = {}
         self._local_rank: Optional[int] = None
-        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort)
+        self.roll = RollCall(self.comm)
+        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, self.roll)
         self._posted: List[Tuple[object, np.ndarray]] = []  # non-blocking sends in flight, with their buffers
 
     @contextlib.contextmanager
@@ -135,7 +261,12 @@ class World:
 
     def set_timeout(self, timeout: float) -> None:
         """Arm (or re-arm) the watchdog, once the config is known."""
-        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort)
+        self.watchdog.stop()
+        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, self.roll)
+
+    def collective(self, what: str):
+        """Around a blocking collective on the world: counted (``RollCall``) and watched."""
+        return self.watchdog.waiting(what, self.roll.enter())
 
     # ---------------------------------------------------------------- topology
 
@@ -156,7 +287,7 @@ class World:
         """Every rank's short text (truncated to ``width`` bytes) via a fixed-width byte Allgather."""
         raw = text.encode()[:width].ljust(width, b"\0")
         out = np.zeros((self.size, width), dtype=np.uint8)
-        with self.watchdog.waiting("Allgather of text (a collective: some rank has not arrived)"):
+        with self.collective("Allgather of text"):
             self.comm.Allgather(np.frombuffer(raw, dtype=np.uint8), out)
         return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
 
@@ -267,16 +398,19 @@ class World:
         """Stack every rank's equal-shaped ``row`` into an (N, ...) array, identical on all ranks."""
         row = np.ascontiguousarray(row)
         out = np.empty((self.size,) + row.shape, dtype=row.dtype)
-        with self.watchdog.waiting("Allgather (a collective: some rank has not arrived)"):
+        with self.collective("Allgather"):
             self.comm.Allgather(row, out)
         self.bytes_sent += row.nbytes * (self.size - 1)
         return out
 
-    def iallgather(self, row: np.ndarray):
-        """Start a non-blocking allgather; returns (request, out). ``row`` is copied, so the caller may reuse it."""
+    def iallgather(self, row: np.ndarray, what: str = "Iallgather"):
+        """Start a non-blocking allgather; returns (request, out, row). ``row`` is copied, so the caller may reuse it.
+
+        The request's ``Wait`` is watched like a blocking collective (it completes collective number ``seq``).
+        """
         row = np.array(row, copy=True, order="C")
         out = np.empty((self.size,) + row.shape, dtype=row.dtype)
-        req = self.comm.Iallgather(row, out)
+        req = WatchedRequest(self.comm.Iallgather(row, out), self, what, self.roll.enter())
         self.bytes_sent += row.nbytes * (self.size - 1)
         return req, out, row  # keep ``row`` alive until the request completes
 
@@ -285,11 +419,11 @@ class World:
         if t.device.type != "cpu" and not self.cuda_aware:
             h = self._host(t, "reduce")
             h.copy_(t.reshape(-1))
-            with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
+            with self.collective("Allreduce"):
                 self.comm.Allreduce(self.MPI.IN_PLACE, h.numpy(), op=self.MPI.SUM)
             t.reshape(-1).copy_(h)
         else:
-            with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
+            with self.collective("Allreduce"):
                 self.comm.Allreduce(self.MPI.IN_PLACE, self._as_buffer(t), op=self.MPI.SUM)
         # what each rank sends in a bandwidth-optimal (ring) allreduce: 2 (N-1)/N of the buffer
         self.bytes_sent += int(2 * (self.size - 1) * t.numel() * t.element_size() // max(self.size, 1))
@@ -302,7 +436,7 @@ class World:
     def allreduce_scalar(self, value: float, op: str = "sum") -> float:
         buf = np.array([value], dtype=np.float64)
         mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
-        with self.watchdog.waiting("Allreduce (a collective: some rank has not arrived)"):
+        with self.collective("Allreduce of a scalar"):
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
         return float(buf[0])
 
@@ -318,17 +452,17 @@ class World:
         if t.device.type != "cpu" and not self.cuda_aware:
             h = self._host(t, "bcast")
             h.copy_(t.reshape(-1))
-            with self.watchdog.waiting(f"Bcast from rank {root}"):
+            with self.collective(f"Bcast from rank {root}"):
                 self.comm.Bcast(h.numpy(), root=root)
             t.reshape(-1).copy_(h)
         else:
-            with self.watchdog.waiting(f"Bcast from rank {root}"):
+            with self.collective(f"Bcast from rank {root}"):
                 self.comm.Bcast(self._as_buffer(t), root=root)
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0) -> np.ndarray:
         buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
-        with self.watchdog.waiting(f"Bcast from rank {root}"):
+        with self.collective(f"Bcast from rank {root}"):
             self.comm.Bcast(buf, root=root)
         return buf
 
@@ -336,9 +470,10 @@ class World:
         """Broadcast UTF-8 text as a length-prefixed byte buffer (no pickle)."""
         data = text.encode() if self.rank == root and text is not None else b""
         n = np.array([len(data)], dtype=np.int64)
-        with self.watchdog.waiting(f"Bcast of text from rank {root}"):
+        with self.collective(f"Bcast of text from rank {root}"):
             self.comm.Bcast(n, root=root)
-            buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
+        with self.collective(f"Bcast of text from rank {root}"):
             self.comm.Bcast(buf, root=root)
         return bytes(buf).decode()
 
@@ -347,9 +482,9 @@ class World:
         rows = np.ascontiguousarray(rows, dtype=np.float64)
         width = rows.shape[1] if rows.ndim == 2 else 0
         counts = np.empty(self.size, dtype=np.int64)
-        with self.watchdog.waiting("Allgather of log sizes (a collective: some rank has not arrived)"):
+        with self.collective("Allgather of log sizes"):
             self.comm.Allgather(np.array([rows.size], dtype=np.int64), counts)
-        with self.watchdog.waiting(f"Gatherv of log rows to rank {root}"):
+        with self.collective(f"Gatherv of log rows to rank {root}"):
             if self.rank == root:
                 recv = np.empty(int(counts.sum()), dtype=np.float64)
                 displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -366,8 +501,8 @@ class World:
         if bad:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
-    def barrier(self) -> None:
-        with self.watchdog.waiting("Barrier (a collective: some rank has not arrived)"):
+    def barrier(self, what: str = "Barrier") -> None:
+        with self.collective(what):
             self.comm.Barrier()
 
     def abort(self, code: int = 1) -> None:

@@ -161,11 +161,11 @@ def _positive(name: str, value: Optional[int]) -> None:
 
 
 def _has_run(run_dir: Path) -> bool:
-    from ..results import LAUNCHER_FILES
+    from ..results import is_bookkeeping
 
     if not run_dir.is_dir():
         return False
-    return any(not (p.is_file() and any(p.match(pat) for pat in LAUNCHER_FILES)) for p in run_dir.iterdir())
+    return any(not is_bookkeeping(p) for p in run_dir.iterdir())
 
 
 def generate(args: argparse.Namespace) -> Tuple[Path, Path]:

@@ -99,12 +99,29 @@ def load_user(spec: str) -> Dataset:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise DataError(f"data.dataset={spec!r}: cannot import {fn_name!r} from {mod_name!r} ({exc})") from None
-    out = fn()
+    try:
+        out = fn()
+    except Exception as exc:  # the user's code: one line naming it on every rank, not a traceback per rank
+        raise DataError(f"data.dataset={spec!r}: {fn_name}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(out, (tuple, list)) or len(out) != 4:
         raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), "
                         f"got {type(out).__name__}")
-    arrays = [np.asarray(a.numpy() if isinstance(a, torch.Tensor) else a) for a in out]
+    names = ("x_train", "y_train", "x_test", "y_test")
+    arrays = []
+    for name, a in zip(names, out):
+        try:
+            arr = np.asarray(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a)
+        except Exception as exc:
+            raise DataError(f"data.dataset={spec!r}: {name} is not an array ({type(exc).__name__}: {exc})") from None
+        # strings or objects would fail in astype with numpy's message, or (bytes) turn into garbage numbers
+        if arr.dtype.kind not in "biuf":
+            raise DataError(f"data.dataset={spec!r}: {name} holds {arr.dtype} values ({arr.dtype.kind!r}); "
+                            "features and labels must be numbers")
+        arrays.append(arr)
     xtr, ytr, xte, yte = arrays
+    for name, y in (("y_train", ytr), ("y_test", yte)):
+        if y.dtype.kind == "f" and not (np.isfinite(y).all() and np.array_equal(y, np.round(y))):
+            raise DataError(f"data.dataset={spec!r}: {name} holds non-integer labels; labels are class indices")
     return validate(Dataset(xtr.astype(np.float32), ytr.astype(np.int64), xte.astype(np.float32),
                             yte.astype(np.int64), spec))
 

@@ -3,7 +3,7 @@ import numpy as np
 
 
 def fails_on_rank_1():
-    """A dataset that raises on rank 1 only: the whole job must abort, not hang."""
+    """A dataset that raises on rank 1 only: every rank must stop with one message naming rank 1, not hang."""
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.Get_rank() == 1:
@@ -38,5 +38,25 @@ def bug_in_setup_on_rank_0():
         def broken_describe(*args, **kwargs):
             raise ZeroDivisionError("injected set-up bug on rank 0")
         data.describe = broken_describe
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(200, 4)), rng.integers(0, 2, 200), rng.normal(size=(50, 4)), rng.integers(0, 2, 50)
+
+
+def strings():
+    """A dataset whose labels are strings: one message naming the function, on every rank."""
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(200, 4)), np.array(["a", "b"] * 100), rng.normal(size=(50, 4)), np.array(["a"] * 50)
+
+
+def bug_on_rank_1():
+    """A dataset whose loading plants a bug (not a user error) in the partition on rank 1: the job must abort."""
+    from mpi4py import MPI
+
+    from communities.workload import data
+
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        def broken_partition(*args, **kwargs):
+            raise RuntimeError("injected bug on rank 1")
+        data.partition = broken_partition
     rng = np.random.default_rng(0)
     return rng.normal(size=(200, 4)), rng.integers(0, 2, 200), rng.normal(size=(50, 4)), rng.integers(0, 2, 50)

@@ -121,10 +121,10 @@ def test_existing_run_dir_is_refused_without_overwrite(tmp_path, tiny_config):
 
 
 def test_exception_on_one_rank_aborts_the_job(tmp_path, tiny_config):
-    res = run_engine(4, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:fails_on_rank_1",
+    res = run_engine(4, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:bug_on_rank_1",
                      "data.partition=iid", check=False, timeout=120)
     assert res.returncode != 0
-    assert "injected failure on rank 1" in res.stderr and "rank 1 failed" in res.stderr
+    assert "injected bug on rank 1" in res.stderr and "rank 1 failed" in res.stderr
 
 
 def test_quickstart_meets_its_promises(tmp_path):

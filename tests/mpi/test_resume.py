@@ -91,14 +91,29 @@ def test_damaged_checkpoint_is_named(tmp_path, tiny_config):
     victim.write_bytes(victim.read_bytes()[:100])
     res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
     assert res.returncode == 2 and "rank00001.pt: damaged checkpoint file" in res.stderr
+    assert "no intact checkpoint to resume from" in res.stderr and "the manifest says" in res.stderr
     assert "Traceback" not in res.stderr
+    assert victim.exists()  # nothing deleted: the user decides
 
 
 def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, tiny_config):
+    import json
+
+    from communities.report.load import load_view
+    from communities.runlock import probe
+
+    run = tmp_path / "tiny"
     proc = start(4, tiny_config, tmp_path, *LONG)
-    wait_for(tmp_path / "tiny" / "checkpoints" / "latest", proc)
+    wait_for(run / "checkpoints" / "latest", proc)
     os.kill(rank_pids(str(tmp_path))[-1], signal.SIGKILL)
     code, _, _ = finish(proc, timeout=120)
     assert code != 0
-    run_engine(4, tiny_config, tmp_path, *LONG, extra=["--resume"])
-    assert (tmp_path / "tiny" / "summary.json").exists()
+    # meta.json still says running; nobody holds the lock any more, and its heartbeat stops
+    assert json.loads((run / "meta.json").read_text())["status"] == "running"
+    state = probe(run)
+    assert state.held is False and state.holder is not None and state.holder_alive is False
+    view = load_view(run)
+    assert view.status == "interrupted" and any("its process is gone" in n for n in view.notes)
+    res = run_engine(4, tiny_config, tmp_path, *LONG, extra=["--resume"])
+    assert "taking over the lock of a run that ended without releasing it" in res.stdout
+    assert (run / "summary.json").exists()

@@ -13,9 +13,10 @@ ALLOWED = {
     "core": set(),
     "runtime": {"core", "errors"},
     "workload": {"core", "errors"},
-    "engine": {"core", "runtime", "workload", "errors", "config", "results", "__init__"},
-    "report": {"results", "errors", "core.clustering"},
-    "tools": {"core", "runtime", "workload", "engine", "report", "errors", "config", "results", "cli", "__init__"},
+    "engine": {"core", "runtime", "workload", "errors", "config", "results", "manifest", "runlock", "__init__"},
+    "report": {"results", "manifest", "runlock", "errors", "core.clustering"},
+    "tools": {"core", "runtime", "workload", "engine", "report", "errors", "config", "results", "manifest", "runlock",
+              "cli", "__init__"},
 }
 
 

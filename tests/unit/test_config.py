@@ -164,3 +164,45 @@ def test_alias_bombs_stop_early(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match="bomb.yaml"):
         config.load(path)
+
+
+@pytest.mark.parametrize("override, check", [
+    ("merge.ema.end=0.4", lambda c: (c.merge.ema.start, c.merge.ema.end, c.merge.ema.horizon) == (0.1, 0.4, 100)),
+    ("clustering.k.start=3", lambda c: (c.clustering.k.start, c.clustering.k.end) == (3, 1)),
+    ("partners.temperature.horizon=50",
+     lambda c: (c.partners.temperature.shape, c.partners.temperature.horizon, c.partners.temperature.end)
+     == ("exp", 50, 20.0)),
+    ("partners.p_cross.shape=linear",  # the file writes this schedule: the override merges into the file's
+     lambda c: (c.partners.p_cross.start, c.partners.p_cross.horizon, c.partners.p_cross.shape)
+     == (0.02, 80, "linear")),
+])
+def test_an_override_of_one_schedule_field_keeps_the_others(override, check):
+    assert check(config.load("configs/quickstart.yaml", [override]))
+
+
+def test_a_schedule_written_in_the_file_is_taken_as_written(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("merge: {ema: {end: 0.4}}\n")
+    with pytest.raises(ConfigError, match="merge.ema.start: Field required"):
+        config.load(path)
+
+
+@pytest.mark.parametrize("override", ["seed=true", "train.budget=yes", "train.lr=false", "world_size=true",
+                                      "model.hidden=[8, true]", "faults.nan_rank=no", "clustering.k.start=true"])
+def test_booleans_are_refused_where_numbers_are_expected(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}: must be a number, not a boolean"):
+        config.load("configs/quickstart.yaml", [override])
+
+
+def test_booleans_still_set_boolean_keys():
+    cfg = config.load("configs/quickstart.yaml", ["data.standardize=false", "consensus.stop=no"])
+    assert cfg.data.standardize is False and cfg.consensus.stop is False
+
+
+def test_name_and_injected_disk_faults_may_change_on_resume():
+    a = config.load("configs/quickstart.yaml").model_dump()
+    b = config.load("configs/quickstart.yaml", ["name=renamed", "faults.disk_full_at=3"]).model_dump()
+    assert config.differences(a, b) == []
+    c = config.load("configs/quickstart.yaml", ["faults.nan_rank=1"]).model_dump()
+    assert config.differences(a, c) == ["faults.nan_rank: checkpoint has None, config has 1"]

@@ -75,6 +75,36 @@ def test_user_dataset_errors_name_the_function():
     assert ds.n_classes == 3
 
 
+def raises():
+    raise FileNotFoundError("/data/train.npz")
+
+
+def string_features():
+    x = np.array([["a", "b"]] * 10)
+    return x, np.zeros(10, dtype=int), x[:5], np.zeros(5, dtype=int)
+
+
+def string_labels():
+    return np.zeros((10, 2)), np.array(["cat"] * 10), np.zeros((5, 2)), np.array(["dog"] * 5)
+
+
+def fractional_labels():
+    return np.zeros((10, 2)), np.full(10, 0.5), np.zeros((5, 2)), np.zeros(5)
+
+
+@pytest.mark.parametrize("fn, needle", [
+    ("raises", "raises() raised FileNotFoundError: /data/train.npz"),
+    ("string_features", "x_train holds <U1 values"),
+    ("string_labels", "y_train holds <U3 values"),
+    ("fractional_labels", "y_train holds non-integer labels"),
+])
+def test_a_user_dataset_that_raises_or_returns_strings_is_one_error_naming_it(fn, needle):
+    spec = f"tests.unit.test_data_models:{fn}"
+    with pytest.raises(data.DataError) as err:
+        data.load(config.DataConfig(dataset=spec), 0)
+    assert f"data.dataset={spec!r}" in str(err.value) and needle in str(err.value)
+
+
 def test_flat_buffer_is_the_model():
     m = models.MLP(8, 3, [5], batchnorm=True)
     flat, n_params = models.flatten_(m)

@@ -461,6 +461,86 @@ def test_world_of_one(tmp_path, capsys):
     assert not list((run / "report").glob("dendrogram_*"))
 
 
+# --------------------------------------------------------------------------- liveness and checksums
+
+
+def _lock_of(run: Path, pid: int, age_s: float = 0.0, host: str = "") -> None:
+    """The lock file a run's rank 0 leaves when it is killed: it names the holder, nobody holds it."""
+    import socket
+    import time
+
+    lock = run / ".lock"
+    lock.write_text(json.dumps({"host": host or socket.gethostname(), "pid": pid,
+                                "start": "2026-01-01T00:00:00+00:00"}))
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+
+
+def test_a_killed_run_that_still_says_running_is_read_as_interrupted(tmp_path, capsys):
+    run = make_run(tmp_path / "killed", n_ranks=4, n_rounds=3, groups=2, partial=True, seed=2)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _lock_of(run, dead.pid)  # its pid is gone on this host
+    assert main_inspect([str(run), "--no-svg"]) == 0
+    captured = capsys.readouterr()
+    assert "status interrupted" in captured.out
+    assert "says 'running', but its process is gone" in captured.err and f"pid {dead.pid}" in captured.err
+    _lock_of(run, 12345, age_s=3600, host="node-elsewhere")  # a pid this host cannot check: the heartbeat decides
+    view = load_view(run)
+    assert view.status == "interrupted" and "heartbeat was 60 min ago" in " ".join(view.notes)
+    _lock_of(run, 12345, age_s=5, host="node-elsewhere")  # fresh: it may run where this host cannot see its lock
+    assert load_view(run).status == "running"
+
+
+def test_a_run_whose_lock_is_held_is_running(tmp_path):
+    from communities.runlock import RunLock
+
+    run = make_run(tmp_path / "live", n_ranks=4, n_rounds=3, groups=2, partial=True, seed=2)
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        os.utime(run / ".lock", (0, 0))  # even with an old heartbeat: the lock is held
+        assert load_view(run).status == "running"
+    finally:
+        lock.release()
+
+
+def test_a_damaged_consensus_model_is_named_and_exit_2(small_run, tmp_path, capsys):
+    from communities import manifest
+
+    run = _copy(small_run, tmp_path)
+    payload = bytes(range(256)) * 8
+    (run / "consensus.pt").write_bytes(payload)
+    meta = json.loads((run / "meta.json").read_text())
+    meta["files"] = {"consensus.pt": manifest.entry(payload)}
+    (run / "meta.json").write_text(json.dumps(meta))
+    assert main_inspect([str(run), "--no-svg"]) == 0
+    capsys.readouterr()
+    damaged = bytearray(payload)
+    damaged[1000] ^= 1
+    (run / "consensus.pt").write_bytes(bytes(damaged))
+    assert main_inspect([str(run), "--no-svg"]) == 2
+    err = _one_line_error(capsys)
+    assert "consensus.pt: damaged" in err and "BLAKE2b digest differs" in err and "meta.json" in err
+
+
+def test_a_damaged_checkpoint_is_warned_with_what_a_resume_would_do(small_run, tmp_path, capsys):
+    from communities import manifest
+
+    run = _copy(small_run, tmp_path)
+    for t in (10, 20):
+        d = run / "checkpoints" / f"u{t:08d}"
+        d.mkdir(parents=True)
+        data = f"rank file at {t}".encode() * 10
+        (d / "rank00000.pt").write_bytes(data)
+        (d / "COMPLETE").write_text(json.dumps({"t": t, "files": {"rank00000.pt": manifest.entry(data)}}))
+    victim = run / "checkpoints" / "u00000020" / "rank00000.pt"
+    victim.write_bytes(victim.read_bytes()[:7])
+    assert main_inspect([str(run), "--no-svg"]) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint u00000020 is damaged: {victim}: damaged checkpoint file (7 bytes, the manifest says" in err
+    assert "--resume falls back to u00000010" in err
+
+
 # --------------------------------------------------------------------------- selection and helpers
 
 
