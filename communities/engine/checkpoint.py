@@ -147,6 +147,9 @@ class Checkpointer:
         """Every rank writes its file; rank 0 commits once all succeeded. DiskError on every rank if any failed."""
         self._before_save()
         world, rank = self.world, self.world.rank
+        own_t = t  # each rank's file keeps its own unit (under async the ranks are at different units) ...
+        if self.cfg.protocol == "async":  # ... and the directory is named by the furthest one, the same on all
+            t = int(world.allreduce_scalar(float(t), "max"))
         directory = step_dir(self.root, t)
         earlier = self._failure()
         if earlier is not None:
@@ -155,7 +158,7 @@ class Checkpointer:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 status = "ok " + json.dumps(save_rank(directory, rank, {
-                    "version": VERSION, "rank": rank, "world_size": world.size, "t": t,
+                    "version": VERSION, "rank": rank, "world_size": world.size, "t": own_t,
                     "parts": {name: part.state_dict() for name, part in self.parts.items()}}, full=self.full))
             except OSError as exc:
                 status = "disk " + str(disk_error(rank_file(directory, rank), exc))

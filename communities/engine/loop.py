@@ -189,7 +189,7 @@ class Engine:
                "consensus_test_acc": acc, "consensus_test_loss": loss,
                "communities_per_round": self.rounds.counts, "first_round_ari": self.rounds.first_ari,
                "final_dispersion": finite_or_none(self.rounds.last_dispersion),
-               "consensus_reached_t": self.consensus.reached_t}
+               "consensus_reached_t": self.consensus.reached_t, "consensus_test_split": replica.test_split}
         model = replica.state_dict_of(mean) if self.world.rank == 0 else None
         with self.world.monitoring():  # measuring, not training traffic
             self.timer.settle(self.world)

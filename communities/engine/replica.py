@@ -7,6 +7,7 @@ table) is in ``state_dict``, so a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from typing import Callable, List, Optional
@@ -47,6 +48,7 @@ class Replica:
         """Load the data, partition it, build the model and share rank 0's initial weights."""
         self = cls(cfg, world, device, timer, faults)
         on_every_rank(world, self._load_data)
+        self.test_split = self._compare_test_splits()
         model, flat, n_params = on_every_rank(world, self._build_model)
         shapes = models.shape_signature(model)
         world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
@@ -58,12 +60,35 @@ class Replica:
         self.opt = train.make_optimizer(cfg.train, model.parameters())
         return self
 
+    def _compare_test_splits(self) -> str:
+        """A collective: which test split the consensus is scored on; "shared" unless the ranks' splits differ.
+
+        A user dataset function that is not deterministic gives every rank different data; the
+        consensus model is then scored on rank 0's split, and the summary must say so.
+        """
+        ds = self.dataset
+        h = hashlib.blake2b(digest_size=16)
+        for a in (ds.x_test, ds.y_test):
+            h.update(np.ascontiguousarray(a).tobytes())
+        said = self.world.allgather_text(h.hexdigest(), width=40)
+        differ = [r for r, d in enumerate(said) if d != said[0]]
+        if not differ:
+            return "shared"
+        if self.rank == 0:
+            print(f"communities: warning: the ranks' test splits differ (ranks {differ} from rank 0's); "
+                  f"data.dataset={self.cfg.data.dataset!r} is not deterministic? The consensus is scored on "
+                  "rank 0's, each rank on its own", flush=True)
+        return f"rank 0's (the test splits differ across ranks: {len(differ)} of {len(said)} from rank 0's)"
+
     def _load_data(self) -> None:
         cfg, device = self.cfg, self.device
         # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
         ds = data.load(cfg.data, cfg.seed)
         shards = data.partition(ds.y_train, self.world.size, cfg.data.partition, cfg.seed, cfg.data.alpha,
                                 cfg.data.groups, cfg.data.purity)
+        declared = data.declared_groups(ds, shards)
+        if declared is not None:  # the user's own notion of which ranks belong together
+            shards = [data.Shard(s.indices, g) for s, g in zip(shards, declared)]
         self.dataset, self.shards = ds, shards
         self.shard = shards[self.rank]
         idx = torch.as_tensor(self.shard.indices)
@@ -89,7 +114,7 @@ class Replica:
 
     @property
     def groups(self) -> Optional[List[int]]:
-        """The planted group of every rank (data.partition: label_groups), else None."""
+        """The group of every rank: planted (data.partition: label_groups) or declared by a user dataset; else None."""
         return None if self.shard.group is None else [int(s.group) for s in self.shards]
 
     def enable_outer(self, outer_cfg, anchor: bool = False) -> None:

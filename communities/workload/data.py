@@ -5,7 +5,10 @@ seed; it then keeps its own shard. The train/test split is shared.
 
 Datasets: ``digits`` (bundled with scikit-learn), ``mnist1d`` (generated locally),
 ``synthetic`` (a Gaussian mixture), or a user's ``module:function`` returning
-``(x_train, y_train, x_test, y_test)``.
+``(x_train, y_train, x_test, y_test)``, or a dict with those keys and, to declare
+which ranks belong together (for the ARI of the communities against them),
+``groups`` (one id per rank) or ``example_groups`` (one id per training example;
+a rank's group is the most common one in its shard).
 Partitions: ``iid``, ``dirichlet`` (alpha), ``label_groups`` (planted groups of
 ranks with disjoint label sets, ``purity`` of each shard from its group's labels).
 """
@@ -28,6 +31,8 @@ class Dataset:
     x_test: np.ndarray
     y_test: np.ndarray
     name: str
+    rank_groups: Optional[np.ndarray] = None  # declared by a user dataset: one group id per rank
+    example_groups: Optional[np.ndarray] = None  # ... or one per training example
 
     @property
     def n_classes(self) -> int:
@@ -103,10 +108,22 @@ def load_user(spec: str) -> Dataset:
         out = fn()
     except Exception as exc:  # the user's code: one line naming it on every rank, not a traceback per rank
         raise DataError(f"data.dataset={spec!r}: {fn_name}() raised {type(exc).__name__}: {exc}") from exc
-    if not isinstance(out, (tuple, list)) or len(out) != 4:
-        raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), "
-                        f"got {type(out).__name__}")
     names = ("x_train", "y_train", "x_test", "y_test")
+    declared = {}
+    if isinstance(out, dict):
+        extra = sorted(set(out) - set(names) - {"groups", "example_groups"})
+        missing = [k for k in names if k not in out]
+        if extra or missing:
+            raise DataError(f"data.dataset={spec!r} returned a dict " + (f"without {missing}" if missing else
+                            f"with unknown key(s) {extra}") + "; keys: x_train, y_train, x_test, y_test, "
+                            "and optionally groups (one per rank) or example_groups (one per training example)")
+        if "groups" in out and "example_groups" in out:
+            raise DataError(f"data.dataset={spec!r}: declare groups (per rank) or example_groups, not both")
+        declared = {k: _int_vector(spec, k, out[k]) for k in ("groups", "example_groups") if k in out}
+        out = tuple(out[k] for k in names)
+    if not isinstance(out, (tuple, list)) or len(out) != 4:
+        raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test) or a dict with "
+                        f"those keys, got {type(out).__name__}")
     arrays = []
     for name, a in zip(names, out):
         try:
@@ -122,8 +139,36 @@ def load_user(spec: str) -> Dataset:
     for name, y in (("y_train", ytr), ("y_test", yte)):
         if y.dtype.kind == "f" and not (np.isfinite(y).all() and np.array_equal(y, np.round(y))):
             raise DataError(f"data.dataset={spec!r}: {name} holds non-integer labels; labels are class indices")
-    return validate(Dataset(xtr.astype(np.float32), ytr.astype(np.int64), xte.astype(np.float32),
-                            yte.astype(np.int64), spec))
+    ds = validate(Dataset(xtr.astype(np.float32), ytr.astype(np.int64), xte.astype(np.float32),
+                          yte.astype(np.int64), spec, declared.get("groups"), declared.get("example_groups")))
+    if ds.example_groups is not None and len(ds.example_groups) != len(ds.y_train):
+        raise DataError(f"data.dataset={spec!r}: example_groups has {len(ds.example_groups)} entries for "
+                        f"{len(ds.y_train)} training examples")
+    return ds
+
+
+def _int_vector(spec: str, key: str, value) -> np.ndarray:
+    arr = np.asarray(value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value)
+    if arr.ndim != 1 or arr.dtype.kind not in "iub" or arr.size == 0:
+        raise DataError(f"data.dataset={spec!r}: {key} must be a non-empty 1-D sequence of integer ids, "
+                        f"got shape {arr.shape} {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def declared_groups(ds: Dataset, shards: List[Shard]) -> Optional[List[int]]:
+    """The group of every rank that a user dataset declared (per rank, or per example: a shard's most common)."""
+    if ds.rank_groups is not None:
+        if len(ds.rank_groups) != len(shards):
+            raise DataError(f"data.dataset={ds.name!r}: groups has {len(ds.rank_groups)} entries for "
+                            f"{len(shards)} ranks (one per rank)")
+        return [int(g) for g in ds.rank_groups]
+    if ds.example_groups is not None:
+        out = []
+        for s in shards:
+            ids, counts = np.unique(ds.example_groups[s.indices], return_counts=True)
+            out.append(int(ids[np.argmax(counts)]) if ids.size else -1)
+        return out
+    return None
 
 
 def validate(ds: Dataset) -> Dataset:

@@ -60,3 +60,31 @@ def bug_on_rank_1():
         data.partition = broken_partition
     rng = np.random.default_rng(0)
     return rng.normal(size=(200, 4)), rng.integers(0, 2, 200), rng.normal(size=(50, 4)), rng.integers(0, 2, 50)
+
+
+def _two_blobs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(400, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    return x, y
+
+
+def declared_rank_groups():
+    """A dataset that declares its ranks' groups (4 ranks: {0, 1} and {2, 3}), for first_round_ari."""
+    x, y = _two_blobs()
+    return {"x_train": x[:300], "y_train": y[:300], "x_test": x[300:], "y_test": y[300:], "groups": [0, 0, 1, 1]}
+
+
+def declared_example_groups():
+    """Per-example groups: the first half of the training set is group 7, the rest group 9."""
+    x, y = _two_blobs()
+    return {"x_train": x[:300], "y_train": y[:300], "x_test": x[300:], "y_test": y[300:],
+            "example_groups": np.repeat([7, 9], 150)}
+
+
+def not_deterministic():
+    """No seed: every rank draws different data (the test split differs by rank)."""
+    rng = np.random.default_rng()
+    x = rng.normal(size=(300, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    return x[:240], y[:240], x[240:], y[240:]

@@ -115,3 +115,35 @@ def test_async_stragglers_do_not_hold_back_the_fast_ranks(tmp_path, tiny_config)
     vc_idle = vc["time_split_per_rank"]["idle"]
     vc_wall = vc["time_split_per_rank"]["wall"]
     assert np.mean([idle[r] / wall[r] for r in fast]) < 0.5 * np.mean([vc_idle[r] / vc_wall[r] for r in fast])
+
+
+@pytest.mark.parametrize("how", ["signal", "stopfile"])
+def test_an_async_stop_checkpoints_after_draining_and_resume_finishes(tmp_path, tiny_config, how):
+    """A stop asked on one rank (SIGUSR1) or by RUN_DIR/STOP reaches every rank as a message: all drain, one
+    checkpoint, exit 75; --resume continues to the budget (correct, not bitwise: who meets whom is timing)."""
+    import os
+    import signal
+
+    from tests.helpers.mpi import finish, start, wait_for
+
+    run = tmp_path / "tiny"
+    budget = ["train.budget=400", "strategy=gossip", "merge.lam=2"]
+    proc = start(4, tiny_config, tmp_path, *ASYNC, *budget)
+    wait_for(run / "rounds" / "round_0001", proc)
+    if how == "signal":
+        pids = subprocess.run(["pgrep", "-f", f"communities run .*{tmp_path}"], capture_output=True,
+                              text=True).stdout.split()
+        assert pids, "no rank processes found"
+        os.kill(int(pids[-1]), signal.SIGUSR1)  # one rank only: every rank must stop
+    else:
+        (run / "STOP").touch()
+    code, out, err = finish(proc)
+    assert code == 75, err[-3000:]
+    assert "checkpoint written" in out and not (run / "summary.json").exists()
+    units_at_stop = [json.loads(line)["t"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(units_at_stop) < 400
+    res = run_engine(4, tiny_config, tmp_path, *ASYNC, *budget, extra=["--resume"])
+    assert "resuming" in res.stdout
+    s = summary(run)
+    assert s["protocol"] == "async" and s["units_per_rank"] == [400] * 4
+    assert np.isfinite(s["consensus_test_acc"]) and s["consensus_test_acc"] > 0.7

@@ -166,3 +166,21 @@ def test_global_strategies(tmp_path, tiny_config, strategy, extra):
         assert sorted({m["t"] for m in averages}) == [3, 6, 9, 12] and len(averages) == 4 * 3
         if strategy == "local_sgd":  # the last unit ended in an average: every rank holds the mean
             assert s["consensus_distance"] < 1e-6
+
+
+def test_a_user_dataset_declares_groups_and_first_round_ari_is_reported(tmp_path, tiny_config):
+    run_engine(4, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:declared_rank_groups",
+               "data.partition=iid", "train.budget=10")
+    run = tmp_path / "tiny"
+    assert json.loads((run / "partition.json").read_text())["groups"] == [0, 0, 1, 1]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["first_round_ari"] is not None and -1.0 <= s["first_round_ari"] <= 1.0
+    assert s["consensus_test_split"] == "shared"
+
+
+def test_test_splits_that_differ_by_rank_are_said(tmp_path, tiny_config):
+    res = run_engine(3, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:not_deterministic",
+                     "data.partition=iid", "train.budget=5")
+    assert "the ranks' test splits differ (ranks [1, 2] from rank 0's)" in res.stdout
+    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert s["consensus_test_split"].startswith("rank 0's (the test splits differ across ranks: 2 of 3")

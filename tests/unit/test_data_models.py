@@ -128,3 +128,31 @@ def test_cnn1d_matches_mnist1d_paper_layout():
 def test_user_model_output_is_checked():
     with pytest.raises(models.ModelError, match="returns shape"):
         models.check_output(torch.nn.Linear(4, 2), torch.randn(3, 4), 5, "x:y")
+
+
+def test_a_user_dataset_can_declare_groups_per_rank_or_per_example():
+    ds = data.load_user("tests.helpers.user_fns:declared_rank_groups")
+    shards = data.partition(ds.y_train, 4, "iid", 0)
+    assert data.declared_groups(ds, shards) == [0, 0, 1, 1]
+    with pytest.raises(data.DataError, match="groups has 4 entries for 3 ranks"):
+        data.declared_groups(ds, data.partition(ds.y_train, 3, "iid", 0))
+    ds = data.load_user("tests.helpers.user_fns:declared_example_groups")
+    # contiguous shards: ranks 0-1 hold examples 0-149 (group 7), ranks 2-3 the rest (group 9)
+    contiguous = [data.Shard(idx, None) for idx in np.array_split(np.arange(300), 4)]
+    assert data.declared_groups(ds, contiguous) == [7, 7, 9, 9]
+    assert data.declared_groups(data.load_user("tests.helpers.user_fns:not_deterministic"), contiguous) is None
+
+
+@pytest.mark.parametrize("out, needle", [
+    ({"x_train": 1}, "without ['y_train', 'x_test', 'y_test']"),
+    ({"x_train": 1, "y_train": 1, "x_test": 1, "y_test": 1, "group": [0]}, "unknown key(s) ['group']"),
+    ({"x_train": 1, "y_train": 1, "x_test": 1, "y_test": 1, "groups": [0.5]}, "groups must be a non-empty 1-D"),
+])
+def test_a_bad_groups_declaration_is_named(monkeypatch, out, needle):
+    import types
+
+    mod = types.ModuleType("fake_groups_mod")
+    mod.fn = lambda: out
+    monkeypatch.setitem(__import__("sys").modules, "fake_groups_mod", mod)
+    with pytest.raises(data.DataError, match=__import__("re").escape(needle)):
+        data.load_user("fake_groups_mod:fn")
