@@ -238,8 +238,8 @@ def print_summary(s: Summary, run_dir: Path) -> None:
     split = " / ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)" for k, v in ts.items())
     ari = s.first_round_ari
     print(f"\n== {s.name}: {s.strategy} on {s.world_size} ranks, {s.units} units, {s.rounds} rounds ==")
-    split = "" if s.consensus_test_split == "shared" else f"   (on {s.consensus_test_split})"
-    print(f"consensus test accuracy  {s.consensus_test_acc:.4f}{split}")
+    on = "" if s.consensus_test_split == "shared" else f"   (on {s.consensus_test_split})"
+    print(f"consensus test accuracy  {s.consensus_test_acc:.4f}{on}")
     print(f"rank test accuracy       best {s.best_rank_acc:.4f}  worst {s.worst_rank_acc:.4f}  "
           f"mean {s.mean_rank_acc:.4f}")
     print(f"communities per round    {counts or '-'}" + (f"   (first-round ARI {ari:.3f})" if ari is not None else ""))

