@@ -78,6 +78,12 @@ class DataConfig(_Section):
     test_fraction: float = Field(0.25, gt=0, lt=1, description="held-out share for datasets without a test split")
     standardize: bool = True
     synthetic: SyntheticData = SyntheticData()
+    local_test_fraction: float = Field(
+        0.0, ge=0, lt=1, description="share of each rank's own shard held out (seeded per rank) as its local "
+        "validation/test data, on which per-rank and per-community models are scored (0: none)")
+    shift: Literal["none", "label_permutation", "input_permutation", "rotation"] = Field(
+        "none", description="concept shift of the planted groups (data.groups contiguous blocks of ranks): a fixed "
+        "seeded transform per group, group 0 the identity; the shared test split is pooled over the groups")
 
     @model_validator(mode="after")
     def _dataset_known(self):
@@ -86,6 +92,14 @@ class DataConfig(_Section):
                 f"data.dataset={self.dataset!r} is not one of digits, mnist1d, synthetic, "
                 "or a 'package.module:function' returning (x_train, y_train, x_test, y_test)"
             )
+        if self.shift != "none":
+            if self.groups < 2:
+                raise ValueError(f"data.shift={self.shift!r} transforms planted groups of ranks: it needs "
+                                 f"data.groups >= 2 (got data.groups={self.groups})")
+            if ":" in self.dataset:
+                raise ValueError(f"data.shift={self.shift!r} applies to the built-in datasets (digits, mnist1d, "
+                                 f"synthetic), not data.dataset={self.dataset!r}: shift a user dataset in its own "
+                                 "function and declare its groups")
         return self
 
 
@@ -224,6 +238,22 @@ class ConsensusConfig(_Section):
         None, gt=0, description="also require the round's mean merge update norm, over the mean weight norm, "
         "under this (null: dispersion alone decides)")
     stop: bool = Field(True, description="stop at consensus; false runs the whole budget")
+    mode: Literal["global", "communities", "auto"] = Field(
+        "global", description="global: anneal to one consensus model; communities: freeze the communities of "
+        "round freeze_round (cross-community merges off) and deliver one model per community; auto: keep "
+        "annealing while cross-community merges do not hurt the members' local validation loss, freeze when "
+        "they do (strategy community)")
+    freeze_round: int = Field(0, ge=0, description="mode communities: the signature round whose communities are "
+                              "frozen (0: the first)")
+    k: Optional[int] = Field(None, ge=1, description="mode communities: cut that round's tree into k communities "
+                             "(scipy fcluster maxclust) instead of the round's own cut (null: the round's cut)")
+    auto_harm: float = Field(
+        0.5, gt=0, description="mode auto: cross-community merges hurt when they raise the members' local "
+        "validation loss by more than this (relative to its value before the merge) beyond what merges inside "
+        "a community do")
+    auto_min_merges: int = Field(4, ge=1, description="mode auto: cross-community merges needed before deciding")
+    finetune_units: int = Field(0, ge=0, description="after the run, each rank fine-tunes the consensus model "
+                                "this many units on its own shard and is scored on its local test data (0: off)")
 
 
 class OutputConfig(_Section):
@@ -234,6 +264,8 @@ class OutputConfig(_Section):
         "the end into the consensus-over-wall-time curve (0: none)")
     snapshots_max: int = Field(64, ge=2, description="protocol async: copies kept; past that every other one is "
                                "dropped and the interval doubles")
+    round_snapshots: bool = Field(False, description="each rank writes its flat weights at every signature round "
+                                  "(snapshots/round_NNNN/rankRRRRR.pt), for communities export: N models per round")
 
 
 class CommConfig(_Section):
@@ -350,7 +382,14 @@ class ExamplesConfig(_Section):
         return self
 
 
-Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"]
+class IfcaConfig(_Section):
+    """The IFCA baseline (Ghosh et al. 2020): k shared models, each rank trains the one that fits its data best."""
+
+    k: int = Field(4, ge=1, description="shared models; every merge.period units each rank picks the one with the "
+                   "lowest loss on its shard, trains it, and the ranks that picked the same one average it")
+
+
+Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce", "ifca"]
 STRATEGIES = get_args(Strategy)
 SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training (every step)
 PAIRWISE = ("community", "gossip", "ring")  # strategies that merge in pairs (the ones protocol async runs)
@@ -383,6 +422,7 @@ class Config(_Section):
     robust: RobustConfig = RobustConfig()
     faults: FaultsConfig = FaultsConfig()
     examples: ExamplesConfig = ExamplesConfig()
+    ifca: IfcaConfig = IfcaConfig()
 
     @field_validator("name", mode="after")
     @classmethod
@@ -409,16 +449,36 @@ class Config(_Section):
             if self.checkpoint.every:
                 raise ValueError(f"checkpoint.every={self.checkpoint.every} needs protocol='virtual_clock': under "
                                  "async, ranks are at different units; checkpoints are taken at a stop and at the end")
+            if self.consensus.mode != "global":
+                raise ValueError(f"consensus.mode={self.consensus.mode!r} needs protocol='virtual_clock': freezing "
+                                 "the communities is a decision every rank takes at the same signature round")
+            if self.output.round_snapshots:
+                raise ValueError("output.round_snapshots=true needs protocol='virtual_clock' (signature rounds that "
+                                 "every rank takes at the same unit)")
+        return self
+
+    @model_validator(mode="after")
+    def _consensus_mode(self):
+        mode = self.consensus.mode
+        if mode != "global" and self.strategy != "community":
+            raise ValueError(f"consensus.mode={mode!r} delivers the communities of strategy 'community'; "
+                             f"strategy={self.strategy!r} has none (consensus.mode='global')")
+        if mode == "auto" and self.data.local_test_fraction <= 0:
+            raise ValueError("consensus.mode='auto' decides from the members' local validation data: it needs "
+                             "data.local_test_fraction > 0")
         return self
 
     def check_world(self, world: int) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
         if self.world_size is not None and self.world_size != world:
             raise ConfigError(f"world_size={self.world_size} but MPI started {world} ranks")
-        if self.data.partition == "label_groups" and self.data.groups > world:
+        if (self.data.partition == "label_groups" or self.data.shift != "none") and self.data.groups > world:
             raise ConfigError(
                 f"data.groups={self.data.groups} planted groups need at least as many ranks; world size is {world}"
             )
+        if self.consensus.mode == "communities" and self.consensus.k is not None and self.consensus.k > world:
+            raise ConfigError(f"consensus.k={self.consensus.k} communities need at least as many ranks; world size "
+                              f"is {world}")
         if self.strategy == "community" and self.clustering.cut == "maxclust" and self.clustering.k.start > world:
             raise ConfigError(f"clustering.k.start={self.clustering.k.start} exceeds the world size {world}")
         for key in ("nan_rank", "hostile_rank", "stall_rank"):

@@ -65,7 +65,8 @@ def is_bookkeeping(path: Path) -> bool:
 # holds meta.json or config.yaml, or nothing but these (a run that died before writing config.yaml).
 RUN_MARKERS = ("meta.json", "config.yaml")
 RUN_ENTRIES = RUN_MARKERS + ("partition.json", "metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl",
-                             "rounds", "checkpoints", "consensus.pt", "summary.json", "report", "STOP")
+                             "rounds", "checkpoints", "consensus.pt", "summary.json", "report", "STOP", "models",
+                             "snapshots", "exports")
 
 
 def _looks_like_run(root: Path, content: List[Path]) -> bool:
@@ -369,12 +370,18 @@ class MetricRow(_Record):
     samples: int
     bytes_sent: int
     wall: float  # seconds since the run started (earlier segments of a resumed run included)
+    local_acc: float = float("nan")  # on the rank's local test data (data.local_test_fraction)
+    local_loss: float = float("nan")
 
-    def to_json(self, rank: int) -> dict:
-        return {"t": self.t, "rank": rank, "loss": finite_or_none(self.loss),
-                "train_acc": finite_or_none(self.train_acc), "test_acc": finite_or_none(self.test_acc),
-                "test_loss": finite_or_none(self.test_loss), "samples": self.samples, "bytes_sent": self.bytes_sent,
-                "wall": round(self.wall, 4)}
+    def to_json(self, rank: int, local: bool = False) -> dict:
+        """The metrics.jsonl line; ``local_acc``/``local_loss`` only in runs that hold out local test data."""
+        out = {"t": self.t, "rank": rank, "loss": finite_or_none(self.loss),
+               "train_acc": finite_or_none(self.train_acc), "test_acc": finite_or_none(self.test_acc),
+               "test_loss": finite_or_none(self.test_loss), "samples": self.samples, "bytes_sent": self.bytes_sent,
+               "wall": round(self.wall, 4)}
+        if local:
+            out.update(local_acc=finite_or_none(self.local_acc), local_loss=finite_or_none(self.local_loss))
+        return out
 
 
 @dataclass
@@ -441,8 +448,12 @@ class Summary:
     consensus_test_split: str = "shared"  # which test split consensus_test_acc is measured on
     view_agreement: Optional[dict] = None  # protocol async: how much the ranks' community views agreed
     units_per_rank: List[int] = field(default_factory=list)  # protocol async: each rank's own units (units: max)
+    local_test: Optional[dict] = None  # data.local_test_fraction: the delivered models on each rank's local test data
+    consensus_mode: Optional[dict] = None  # consensus.mode other than global: the decision and its evidence
+    community_models: Optional[dict] = None  # the per-community (or IFCA) models delivered (models/communities.json)
 
-    OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement")
+    OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement", "local_test", "consensus_mode",
+                                           "community_models")
 
     def to_dict(self) -> dict:
         d = asdict(self)

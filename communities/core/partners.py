@@ -32,6 +32,15 @@ def flat_probabilities(labels: np.ndarray, i: int, p_intra: float, p_cross: floa
     return w / total
 
 
+def frozen_probabilities(labels: np.ndarray, i: int) -> np.ndarray:
+    """Partners inside i's frozen community only, uniformly; all zero when i is alone in it (no merges)."""
+    labels = np.asarray(labels)
+    w = (labels == labels[i]).astype(np.float64)
+    w[i] = 0.0
+    total = w.sum()
+    return w / total if total > 0 else w
+
+
 def cophenetic_heights(Z: np.ndarray) -> np.ndarray:
     """Condensed cophenetic heights divided by the top merge height (so in [0, 1])."""
     h = hierarchy.cophenet(Z)
@@ -117,7 +126,7 @@ def staleness_weights(seen_at: np.ndarray, t: int, power: float = 2.0) -> np.nda
 class Law:
     """The partner law in force: the latest round's communities plus the schedules' values at t."""
 
-    kind: str  # flat | hierarchical | uniform
+    kind: str  # flat | hierarchical | uniform | frozen (consensus.mode: the communities no longer merge)
     n: int
     labels: Optional[np.ndarray] = None
     heights: Optional[np.ndarray] = None  # condensed, normalised cophenetic heights
@@ -129,6 +138,8 @@ class Law:
         """P(j | i) over all N ranks (zero on i)."""
         if self.kind == "flat" and self.labels is not None:
             return flat_probabilities(self.labels, i, self.p_intra, self.p_cross)
+        if self.kind == "frozen" and self.labels is not None:
+            return frozen_probabilities(self.labels, i)
         if self.kind == "hierarchical" and self.heights is not None:
             return hierarchical_probabilities(self.heights, self.n, i, self.temperature)
         return uniform_probabilities(self.n, i)

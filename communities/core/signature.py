@@ -129,3 +129,19 @@ def dispersion(signatures: np.ndarray) -> float:
     spread = np.mean(np.sum((S - centroid) ** 2, axis=1))
     scale = np.mean(np.sum(S**2, axis=1))
     return float(spread / scale) if scale > 0 else 0.0
+
+
+def community_dispersion(signatures: np.ndarray, labels: np.ndarray) -> float:
+    """The largest ``dispersion`` inside one community (a community of one rank counts 0).
+
+    Once the communities are frozen (consensus.mode), the ranks settle on one model per
+    community, so consensus is reached when every community is calm, not the world.
+    """
+    S = np.asarray(signatures, dtype=np.float64)
+    labels = np.asarray(labels)
+    worst = 0.0
+    for c in np.unique(labels):
+        members = labels == c
+        if members.sum() >= 2:
+            worst = max(worst, dispersion(S[members]))
+    return worst

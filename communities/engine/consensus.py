@@ -48,11 +48,15 @@ class Consensus:
         """The merge events of a unit: their update norms say whether the ranks still move."""
         self.updates.extend(e.update_norm for e in events if e.counts_as_update)
 
-    def observe(self, rnd: RoundResult, annealed: bool) -> Decision:
-        """Decide from the round's dispersion and the merges since the last round (a collective)."""
+    def observe(self, rnd: RoundResult, annealed: bool, dispersion: Optional[float] = None) -> Decision:
+        """Decide from the round's dispersion and the merges since the last round (a collective).
+
+        ``dispersion`` replaces the round's (frozen communities: the largest inside one community).
+        """
         cc = self.cfg.consensus
         update, relative_update = self._merge_activity()
-        calm = annealed and math.isfinite(rnd.dispersion) and rnd.dispersion < cc.tol
+        disp = rnd.dispersion if dispersion is None else dispersion
+        calm = annealed and math.isfinite(disp) and disp < cc.tol
         if calm and cc.update_tol is not None and relative_update is not None:
             calm = relative_update < cc.update_tol
         self.calm_rounds = self.calm_rounds + 1 if calm else 0
@@ -76,13 +80,19 @@ class Consensus:
         return finite_or_none(mean), (finite_or_none(mean / scale) if scale > 0 else None)
 
     def evaluate_due(self, t: int) -> Optional[dict]:
-        """Every ``output.consensus_every`` units: the consensus model's test accuracy (a consensus.jsonl row)."""
+        """Every ``output.consensus_every`` units: the consensus model's test accuracy (a consensus.jsonl row);
+        with local test data also its mean accuracy over the ranks' local test data (``local_acc``)."""
         every = self.cfg.output.consensus_every or self.cfg.train.eval_every
         if t % every:
             return None
         with self.timer("eval"), self.world.monitoring():
-            acc, loss = self.replica.evaluate(self.model())
-        return {"t": t, "test_acc": acc, "test_loss": loss}
+            mean = self.model()
+            acc, loss = self.replica.evaluate(mean)
+            row = {"t": t, "test_acc": acc, "test_loss": loss}
+            if self.replica.has_local_test:
+                local_acc, _ = self.replica.evaluate_local(mean)
+                row["local_acc"] = self.world.allreduce_scalar(local_acc) / self.world.size
+        return row
 
     def model(self) -> torch.Tensor:
         """The consensus weights: the mean over the ranks that count (a collective)."""

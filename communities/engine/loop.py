@@ -32,12 +32,15 @@ from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import World
 from . import protocols
 from .checkpoint import Checkpointer
+from .community_mode import CommunityMode
 from .consensus import Decision
+from .delivery import Delivery
 from .faults import make_faults
 from .progress import Progress
 from .replica import Replica
 from .run_dir import RunDirectory, describe_partition, now
 from .runlog import RunLog, print_summary
+from .snapshots import RoundSnapshots
 from .timer import Timer
 
 
@@ -59,6 +62,10 @@ class Engine:
         self.replica = Replica.build(cfg, world, device, self.timer, self.faults)
         self.rounds, self.mixer, self.consensus, collective_log = protocols.build(
             cfg, world, self.timer, self.replica, self.agreement)
+        self.mode = CommunityMode(cfg, world, self.timer, self.replica, self.mixer.strategy)
+        self.mixer.probe = self.mode.probe
+        self.snapshots = RoundSnapshots(world, Path(run_dir)) if cfg.output.round_snapshots else None
+        self.last_round_t: Optional[int] = None  # the unit of the latest signature round
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
                                     device, self.replica.flat.numel())
@@ -67,6 +74,8 @@ class Engine:
         parts = {"replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
                  "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement,
                  "faults": self.faults}
+        if cfg.consensus.mode != "global":
+            parts["mode"] = self.mode
         self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts,
                                         before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info,
                                         failure=lambda: self.run_dir.failure)
@@ -139,11 +148,15 @@ class Engine:
     def _round(self, t: int) -> Optional[Decision]:
         """A signature round: new communities for the mixer, a verdict from the consensus, a round in the log."""
         rnd = self.rounds.run(t)
-        decision = None
+        decision, mode = None, None
         if rnd is not None:
             self.mixer.observe(rnd)
-            decision = self.consensus.observe(rnd, self.mixer.annealed(t))
-        self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker)
+            mode = self.mode.observe(rnd)  # consensus.mode: may freeze the communities (the law becomes final)
+            decision = self.consensus.observe(rnd, self.mixer.annealed(t), self.mode.dispersion(rnd))
+            if self.snapshots is not None:
+                self.snapshots.save(rnd.index, t, self.replica.flat, self.replica.n_params)
+            self.last_round_t = t
+        self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker, mode)
         return decision
 
     # ------------------------------------------------------------------ stop and finish
@@ -158,6 +171,8 @@ class Engine:
     def _fill_disk(self) -> None:
         """Fault injection (``faults.disk_full_at``): from now on every write into the run directory fails."""
         self.checkpoints.full = True
+        if self.snapshots is not None:
+            self.snapshots.full = True
         if self.run_dir.writer is not None:
             self.run_dir.writer.full = True
 
@@ -184,12 +199,18 @@ class Engine:
         with self.timer("eval"):
             acc, loss = replica.evaluate(mean)
         distance = float(torch.dist(replica.flat, mean) / max(float(mean.norm()), 1e-12))
+        at_round = self.rounds.index - 1 if self.last_round_t == self.t else None
+        with self.world.monitoring():  # forming and scoring the delivered models: not training traffic
+            local_test, community_models, files = Delivery(
+                cfg, self.world, self.timer, replica, self.mode, self.mixer.strategy).deliver(mean, self.t, at_round)
         run = {"name": cfg.name, "strategy": cfg.strategy, "world_size": self.world.size,
                "n_params": int(replica.flat.numel()), "units": self.t, "rounds": self.rounds.index,
                "consensus_test_acc": acc, "consensus_test_loss": loss,
                "communities_per_round": self.rounds.counts, "first_round_ari": self.rounds.first_ari,
                "final_dispersion": finite_or_none(self.rounds.last_dispersion),
-               "consensus_reached_t": self.consensus.reached_t, "consensus_test_split": replica.test_split}
+               "consensus_reached_t": self.consensus.reached_t, "consensus_test_split": replica.test_split,
+               "local_test": local_test, "consensus_mode": self.mode.summary(), "community_models": community_models}
+        self.log.models(files, community_models)
         model = replica.state_dict_of(mean) if self.world.rank == 0 else None
         with self.world.monitoring():  # measuring, not training traffic
             self.timer.settle(self.world)

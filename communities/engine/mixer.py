@@ -39,6 +39,7 @@ class Mixer:
         # merge.partner_policy=least_recent: the last unit the model now here trained on each rank's shard
         self.seen_at = np.full(self.n, -1, dtype=np.int64)
         self.excluded = np.zeros(self.n, dtype=bool)  # robust outliers of the latest round: no exchanges
+        self.probe = None  # consensus.mode auto: scores each merge on the local validation data (community_mode.py)
         self._events: List[MergeRow] = []
         self.strategy.prepare(self)
 
@@ -107,6 +108,8 @@ class Mixer:
             other = self.pair.swap_headers(mine, partner)
         with self.timer("exchange"):
             a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t)
+            probe = self.probe if self.probe is not None and event == Event.MERGE and self.probe.active() else None
+            probed = r.flat.clone() if probe is not None else None
             before = r.flat.clone() if r.outer is not None and event == Event.MERGE else None
             distance = self.pair.swap_weights(r.flat, partner, a,
                                               outgoing=r.outgoing() if r.faults.hostile else None)
@@ -125,6 +128,9 @@ class Mixer:
             if event == Event.RESET:
                 r.opt.state.clear()  # moments of a diverged model are as bad as its weights
                 r.diverged = False
+            if probe is not None:
+                with self.timer("eval"):
+                    probe.merged(partner, probed, a)
         self._events.append(MergeRow(t, self.rank, partner, initiator, a, update, distance,
                                      self.world.bytes_sent - sent0, int(event)))
 

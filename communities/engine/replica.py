@@ -83,19 +83,18 @@ class Replica:
     def _load_data(self) -> None:
         cfg, device = self.cfg, self.device
         # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
-        ds = data.load(cfg.data, cfg.seed)
-        shards = data.partition(ds.y_train, self.world.size, cfg.data.partition, cfg.seed, cfg.data.alpha,
-                                cfg.data.groups, cfg.data.purity)
-        declared = data.declared_groups(ds, shards)
-        if declared is not None:  # the user's own notion of which ranks belong together
-            shards = [data.Shard(s.indices, g) for s, g in zip(shards, declared)]
-        self.dataset, self.shards = ds, shards
+        prepared = data.prepare(cfg.data, cfg.seed, self.world.size)
+        ds, shards = prepared.dataset, prepared.shards
+        self.dataset, self.shards, self.local_tests = ds, shards, prepared.local_tests
         self.shard = shards[self.rank]
         idx = torch.as_tensor(self.shard.indices)
         self.x = torch.as_tensor(ds.x_train)[idx].to(device)
         self.y = torch.as_tensor(ds.y_train)[idx].to(device)
         self.x_test = torch.as_tensor(ds.x_test).to(device)
         self.y_test = torch.as_tensor(ds.y_test).to(device)
+        local = torch.as_tensor(self.local_tests[self.rank])
+        self.x_local = torch.as_tensor(ds.x_train)[local].to(device)  # this rank's local test data (may be empty)
+        self.y_local = torch.as_tensor(ds.y_train)[local].to(device)
         self.tracker: Optional[ExampleTracker] = None
         if cfg.examples.track:
             self.tracker = ExampleTracker(cfg.examples, np.asarray(self.shard.indices, dtype=np.int64), ds.x_train,
@@ -157,13 +156,15 @@ class Replica:
         if self.tracker is not None:
             with self.timer("eval"):
                 self.tracker.maybe_evaluate(self.model, t)
-        test_acc = test_loss = float("nan")
+        test_acc = test_loss = local_acc = local_loss = float("nan")
         if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
             with self.timer("eval"):
                 test_acc, test_loss = train.evaluate(self.model, self.x_test, self.y_test)
+                if self.has_local_test:
+                    local_acc, local_loss = train.evaluate(self.model, self.x_local, self.y_local)
             self.test_acc, self.test_loss = test_acc, test_loss
         return MetricRow(t, res.loss, res.accuracy, test_acc, test_loss, self.samples, self.world.bytes_sent,
-                         self.timer.elapsed())
+                         self.timer.elapsed(), local_acc, local_loss)
 
     def _batch_hook(self, t: int, serve: Optional[Callable[[], None]]) -> Optional[Callable[[int], None]]:
         """What runs between batches: an injected slowdown of this batch, then serving partners."""
@@ -182,12 +183,25 @@ class Replica:
 
     def evaluate(self, flat: Optional[torch.Tensor] = None):
         """(accuracy, loss) on the shared test split, of these weights (default: this rank's own)."""
+        return self.evaluate_on(self.x_test, self.y_test, flat)
+
+    @property
+    def has_local_test(self) -> bool:
+        """Whether this run holds out local test data (data.local_test_fraction > 0)."""
+        return self.cfg.data.local_test_fraction > 0
+
+    def evaluate_local(self, flat: Optional[torch.Tensor] = None):
+        """(accuracy, loss) on this rank's local test data (its own group's distribution), of these weights."""
+        return self.evaluate_on(self.x_local, self.y_local, flat)
+
+    def evaluate_on(self, x: torch.Tensor, y: torch.Tensor, flat: Optional[torch.Tensor] = None):
+        """(accuracy, loss) on (x, y) of ``flat`` (default: this rank's own weights, left as they are)."""
         if flat is None:
-            return train.evaluate(self.model, self.x_test, self.y_test)
+            return train.evaluate(self.model, x, y)
         saved = self.flat.clone()
         self.flat.copy_(flat)
         try:
-            return train.evaluate(self.model, self.x_test, self.y_test)
+            return train.evaluate(self.model, x, y)
         finally:
             self.flat.copy_(saved)
 

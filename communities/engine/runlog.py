@@ -72,8 +72,11 @@ class RunLog:
             self.writer.append_jsonl("consensus.jsonl", rows)
 
     def round(self, rnd: Optional[RoundResult], law: Optional[Law], decision: Optional[Decision],
-              agreement: bytes, tracker: Optional[ExampleTracker]) -> None:
-        """At a signature round: gather the rows, write the round, log the example tables."""
+              agreement: bytes, tracker: Optional[ExampleTracker], mode: Optional[dict] = None) -> None:
+        """At a signature round: gather the rows, write the round, log the example tables.
+
+        ``mode``: consensus.mode's entry for round.json (frozen communities, auto's verdict), if any.
+        """
         self.flush()
         if rnd is None:
             return
@@ -83,7 +86,7 @@ class RunLog:
             info = {
                 "round": rnd.index, "t": rnd.t, "n_communities": com.count,
                 "law": law.kind if law is not None else None, "k": rnd.k,
-                "p_cross": law.p_cross if law is not None and law.kind == "flat" else None,
+                "p_cross": law.p_cross if law is not None and law.kind in ("flat", "frozen") else None,
                 "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
                 "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
                 "dispersion": finite_or_none(rnd.dispersion), "mean_update_norm": decision.update,
@@ -91,6 +94,8 @@ class RunLog:
                 "hash": agreement.hex() if self.collective else None,
                 "outliers": np.flatnonzero(rnd.outliers).tolist() if self.cfg.robust.enabled else None,
             }
+            if mode is not None:
+                info["consensus_mode"] = mode
             self.writer.write_round(rnd.index, rnd.signatures.astype(np.float32), com.Z, com.labels, info)
         if tracker is not None and self.collective:
             self._examples(rnd.index, rnd.t, tracker)
@@ -108,7 +113,8 @@ class RunLog:
         self.metric_rows, self.merge_rows = [], []
         if self.writer is None:
             return
-        rows = [MetricRow.from_row(m).to_json(r) for r, block in enumerate(metrics) for m in block]
+        local = self.cfg.data.local_test_fraction > 0
+        rows = [MetricRow.from_row(m).to_json(r, local) for r, block in enumerate(metrics) for m in block]
         rows.sort(key=lambda d: (d["t"], d["rank"]))
         self.writer.append_jsonl("metrics.jsonl", rows)
         events = [MergeRow.from_row(m) for block in merges for m in block]
@@ -138,6 +144,15 @@ class RunLog:
         self.writer.append_jsonl("examples.jsonl", out)
 
     # ------------------------------------------------------------------ the end
+
+    def models(self, files: dict, record: Optional[dict]) -> None:
+        """Rank 0: the delivered per-community models (``models/``), each with its manifest entry in meta.json."""
+        if self.writer is None or record is None:
+            return
+        for name, data in files.items():
+            if self.writer.write_bytes(name, data):
+                self.products[name] = entry(data)
+        self.writer.write_json("models/communities.json", record)
 
     def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
                tracker: Optional[ExampleTracker], views: Optional[List[list]] = None) -> Optional[Summary]:

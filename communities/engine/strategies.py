@@ -16,7 +16,9 @@ Global strategies average over all ranks:
   step (Douillard et al. 2023; use AdamW inside);
 - ``allreduce``: synchronous data parallelism, gradients averaged by Allreduce
   at every step (what DDP or Horovod do);
-- ``isolated``: nothing while training.
+- ``isolated``: nothing while training;
+- ``ifca``: k shared models, each rank training the one that fits its shard
+  best (Ghosh et al. 2020; ifca.py).
 
 A strategy decides *who* mixes *when*; the mixer (``mixer.py``) owns *how*: the
 pairwise exchange, the global average, the gradient Allreduce.
@@ -153,11 +155,24 @@ class Gossip(Strategy):
 
 
 class Community(Gossip):
-    """Pairwise merges with partners from the community law of the latest signature round."""
+    """Pairwise merges with partners from the community law of the latest signature round.
+
+    ``freeze`` (consensus.mode communities/auto) ends the annealing: from then on partners come only from
+    inside the frozen communities, uniformly, and a rank alone in its community no longer merges.
+    """
 
     name = "community"
 
+    def __init__(self, cfg, n: int):
+        super().__init__(cfg, n)
+        self.frozen: Optional[np.ndarray] = None  # community labels no cross merge may join any more
+
+    def freeze(self, labels: np.ndarray) -> None:
+        self.frozen = np.asarray(labels, dtype=np.int64).copy()
+
     def law(self, t: int) -> Optional[Law]:
+        if self.frozen is not None:
+            return Law("frozen", self.n, labels=self.frozen, p_intra=self.cfg.partners.p_intra, p_cross=0.0)
         if self.communities is None:
             return None
         pc = self.cfg.partners
@@ -169,11 +184,24 @@ class Community(Gossip):
         return Law("hierarchical", self.n, heights=self._heights, temperature=schedule.evaluate(pc.temperature, t))
 
     def annealed(self, t: int) -> bool:
+        if self.frozen is not None:
+            return True  # the law is final: no cross merges from here on
         pc, cc = self.cfg.partners, self.cfg.clustering
         done = schedule.finished(pc.p_cross if pc.law == "flat" else pc.temperature, t)
         if cc.cut == "maxclust":
             done = done and schedule.finished(cc.k, t)
         return done
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.frozen is not None:  # (absent while unfrozen: the default run's checkpoints are unchanged)
+            state["frozen"] = torch.from_numpy(self.frozen.copy())
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        frozen = state.get("frozen")
+        self.frozen = None if frozen is None else frozen.numpy().copy()
 
 
 class Ring(Gossip):
@@ -237,6 +265,10 @@ SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's 
 
 def make(cfg, n: int) -> Strategy:
     """The strategy named by ``cfg.strategy``."""
+    if cfg.strategy == "ifca":  # ifca.py builds on this module
+        from .ifca import IFCA
+
+        return IFCA(cfg, n)
     try:
         return STRATEGIES[cfg.strategy](cfg, n)
     except KeyError:

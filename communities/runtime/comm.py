@@ -501,12 +501,67 @@ class World:
         if bad:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
+    def split(self, color: int) -> "Subgroup":
+        """The ranks that pass the same ``color`` as one communicator (``MPI.Comm.Split``, ordered by world rank).
+
+        A collective on the world: every rank calls it, each with its own color (e.g. its community label).
+        Use it as a context manager, or ``free()`` it.
+        """
+        with self.collective("Comm.Split by color"):
+            comm = self.comm.Split(int(color), self.rank)
+        return Subgroup(self, comm)
+
+    def group_mean_(self, t: torch.Tensor, color: int) -> int:
+        """In place: the mean of ``t`` over the ranks of the same ``color`` (Split, then an Allreduce inside).
+
+        Returns how many ranks share the color. Every rank of the world calls it.
+        """
+        with self.split(color) as group:
+            group.allreduce_sum_(t)
+            t.div_(group.size)
+            return group.size
+
     def barrier(self, what: str = "Barrier") -> None:
         with self.collective(what):
             self.comm.Barrier()
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
+
+
+class Subgroup:
+    """The ranks of one color (``World.split``): buffer Allreduces inside it, watched and counted like the world's."""
+
+    def __init__(self, world: World, comm):
+        self.world, self.comm = world, comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def __enter__(self) -> "Subgroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum of a contiguous tensor over the ranks of this group."""
+        w, MPI = self.world, self.world.MPI
+        what = f"Allreduce inside a group of {self.size} ranks (a Comm.Split of the world)"
+        if t.device.type != "cpu" and not w.cuda_aware:
+            h = w._host(t, "reduce")
+            h.copy_(t.reshape(-1))
+            with w.watchdog.waiting(what):
+                self.comm.Allreduce(MPI.IN_PLACE, h.numpy(), op=MPI.SUM)
+            t.reshape(-1).copy_(h)
+        else:
+            with w.watchdog.waiting(what):
+                self.comm.Allreduce(MPI.IN_PLACE, w._as_buffer(t), op=MPI.SUM)
+        w.bytes_sent += int(2 * (self.size - 1) * t.numel() * t.element_size() // max(self.size, 1))
+        return t
+
+    def free(self) -> None:
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
 
 
 # Variables a launcher sets in each process it starts, holding the size of the world it started:

@@ -11,6 +11,9 @@ which ranks belong together (for the ARI of the communities against them),
 a rank's group is the most common one in its shard).
 Partitions: ``iid``, ``dirichlet`` (alpha), ``label_groups`` (planted groups of
 ranks with disjoint label sets, ``purity`` of each shard from its group's labels).
+``prepare`` is the whole pipeline a rank (and ``communities export``) runs: load,
+partition, the concept shift of planted groups (``data.shift``, shift.py) and the
+local test split each rank holds out of its own shard (``data.local_test_fraction``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
+from . import shift as concept_shift
 
 
 @dataclass
@@ -280,11 +284,12 @@ def _ensure_nonempty(shards: List[Shard], rng) -> List[Shard]:
     return shards
 
 
-def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int) -> dict:
-    """The ``partition.json`` record."""
+def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
+             local_tests: Optional[List[np.ndarray]] = None, shift: str = "none") -> dict:
+    """The ``partition.json`` record (``shift`` and ``local_test_sizes`` only when those are on)."""
     n_classes = int(np.max(y)) + 1
     groups = None if shards[0].group is None else [int(s.group) for s in shards]
-    return {
+    out = {
         "partition": kind,
         "n_classes": n_classes,
         "n_train": int(len(y)),
@@ -293,3 +298,69 @@ def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int) -> dict
         "shard_sizes": [int(s.indices.size) for s in shards],
         "label_counts": [np.bincount(y[s.indices], minlength=n_classes).tolist() for s in shards],
     }
+    if shift != "none":
+        out["shift"] = shift
+    if local_tests is not None and any(t.size for t in local_tests):
+        out["local_test_sizes"] = [int(t.size) for t in local_tests]
+    return out
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def hold_out(shards: List[Shard], fraction: float, seed: int) -> Tuple[List[Shard], List[np.ndarray]]:
+    """(training shards, local test indices): each rank keeps ``fraction`` of its own shard apart, seeded per rank.
+
+    ``fraction`` 0 returns the shards unchanged and empty test sets. Otherwise every
+    rank holds out ``round(fraction * n)`` of its n examples, at least one, and
+    keeps at least one to train on.
+    """
+    if fraction <= 0:
+        return shards, [np.zeros(0, dtype=np.int64) for _ in shards]
+    train, tests = [], []
+    for r, s in enumerate(shards):
+        n = s.indices.size
+        if n < 2:
+            raise DataError(f"data.local_test_fraction={fraction}: rank {r}'s shard holds {n} example(s), too few "
+                            "to hold out a local test split and still train")
+        k = min(max(int(round(fraction * n)), 1), n - 1)
+        perm = np.random.default_rng([seed, 31, r]).permutation(n)
+        tests.append(np.sort(s.indices[perm[:k]]))
+        train.append(Shard(np.sort(s.indices[perm[k:]]), s.group))
+    return train, tests
+
+
+@dataclass
+class Prepared:
+    """What every rank derives from the data config and the seed: the (shifted) dataset and all N shards."""
+
+    dataset: Dataset
+    shards: List[Shard]  # training indices (the local test split held out) and the group of each rank
+    local_tests: List[np.ndarray]  # each rank's local test indices into dataset.x_train (empty: none)
+
+
+def shifted(ds: Dataset, shards: List[Shard], kind: str, groups: int, seed: int) -> Dataset:
+    """The dataset under ``data.shift``: each training example in its owner's group, the test split pooled."""
+    owner = np.zeros(len(ds.y_train), dtype=np.int64)
+    for s in shards:
+        owner[s.indices] = int(s.group or 0)
+    side = concept_shift.image_side(int(np.prod(ds.input_shape)), ds.name)
+    n_classes = ds.n_classes
+    xtr, ytr = concept_shift.apply(kind, ds.x_train, ds.y_train, owner, groups, seed, n_classes, side)
+    pooled = concept_shift.pooled_test_groups(len(ds.y_test), groups, seed)
+    xte, yte = concept_shift.apply(kind, ds.x_test, ds.y_test, pooled, groups, seed, n_classes, side)
+    return Dataset(xtr, ytr, xte, yte, ds.name, ds.rank_groups, ds.example_groups)
+
+
+def prepare(cfg, seed: int, world: int) -> Prepared:
+    """Load ``cfg`` (a DataConfig), partition it over ``world`` ranks, shift the planted groups, hold out local tests."""
+    ds = load(cfg, seed)
+    shards = partition(ds.y_train, world, cfg.partition, seed, cfg.alpha, cfg.groups, cfg.purity)
+    declared = declared_groups(ds, shards)
+    if declared is not None:  # the user's own notion of which ranks belong together
+        shards = [Shard(s.indices, g) for s, g in zip(shards, declared)]
+    if cfg.shift != "none":  # the groups are the contiguous blocks of data.groups, whatever the partition
+        shards = [Shard(s.indices, group_of_rank(r, world, cfg.groups)) for r, s in enumerate(shards)]
+        ds = shifted(ds, shards, cfg.shift, cfg.groups, seed)
+    shards, local_tests = hold_out(shards, cfg.local_test_fraction, seed)
+    return Prepared(ds, shards, local_tests)

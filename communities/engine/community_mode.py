@@ -1,0 +1,160 @@
+"""``consensus.mode``: whether the communities anneal into one consensus, or freeze into one model each.
+
+- ``global`` (the default): nothing here acts; the ranks anneal to one consensus.
+- ``communities``: at signature round ``consensus.freeze_round`` the round's
+  communities (or ``consensus.k`` of its tree: scipy ``fcluster``, maxclust) are
+  frozen: partners come only from inside them and the annealing stops. The end
+  delivers one model per community (delivery.py).
+- ``auto``: a ``MergeProbe`` scores every merge on the rank's local validation
+  data; at each round the ranks allgather what it measured and
+  ``core/conflict.py`` decides, the same on every rank from the same bytes,
+  whether cross-community merges hurt. The round's communities are frozen when
+  they do; otherwise the annealing goes on to one consensus.
+
+Once frozen, consensus means every community is calm: the largest signature
+dispersion inside one community, in place of the world's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..core import clustering, conflict, signature
+from ..runtime.comm import World
+from .replica import Replica
+from .rounds import RoundResult
+from .strategies import Community, Strategy
+from .timer import Timer
+
+
+class MergeProbe:
+    """consensus.mode auto: what each merge did to this rank's model on its local validation data.
+
+    Only the validation examples of classes the partner trains on are scored (``conflict.known_classes``):
+    label skew is not conflict. The sums since the last round go to the round's allgather.
+    """
+
+    def __init__(self, replica: Replica, strategy: Strategy):
+        self.replica, self.strategy, self.rank = replica, strategy, replica.rank
+        y = replica.dataset.y_train
+        n_classes = replica.dataset.n_classes
+        counts = np.array([np.bincount(y[s.indices], minlength=n_classes) for s in replica.shards])
+        self.known = torch.as_tensor(conflict.known_classes(counts))  # (N, C)
+        self.row = conflict.empty()
+
+    def active(self) -> bool:
+        """Merges are scored while there are communities and they are not frozen."""
+        com = self.strategy.communities
+        return com is not None and getattr(self.strategy, "frozen", None) is None
+
+    def merged(self, partner: int, before: torch.Tensor, a: float) -> None:
+        """After a merge with ``partner`` (this rank's weights were ``before``, are now merged with weight a)."""
+        r = self.replica
+        mask = self.known[partner][r.y_local.cpu()].to(r.y_local.device)
+        n = int(mask.sum())
+        if n == 0 or a <= 0:
+            return  # the partner knows none of this rank's validation classes: nothing to learn from it
+        x, y = r.x_local[mask], r.y_local[mask]
+        after = r.flat.clone()
+        partner_w = before + (after - before) / a  # after = before + a (theirs - before)
+        acc_b, loss_b = r.evaluate_on(x, y, before)
+        acc_a, loss_a = r.evaluate_on(x, y, after)
+        acc_p, loss_p = r.evaluate_on(x, y, partner_w)
+        labels = self.strategy.communities.labels
+        kind = "intra" if labels[partner] == labels[self.rank] else "cross"
+        conflict.record(self.row, kind, n, loss_b * n, loss_a * n, loss_p * n, acc_b * n, acc_a * n, acc_p * n)
+
+    def take(self) -> np.ndarray:
+        row, self.row = self.row, conflict.empty()
+        return row
+
+    def state_dict(self) -> dict:
+        return {"row": torch.from_numpy(self.row.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.row = state["row"].numpy().copy()
+
+
+class CommunityMode:
+    """The freeze of ``consensus.mode`` for one rank: when, which communities, and (auto) the evidence."""
+
+    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, strategy: Strategy):
+        self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
+        self.mode = cfg.consensus.mode
+        self.frozen_round: Optional[int] = None
+        self.frozen_t: Optional[int] = None
+        self.totals = np.zeros((world.size, conflict.WIDTH))  # auto: every rank's evidence since the first round
+        self.verdict: Optional[dict] = None
+        self.probe = MergeProbe(replica, strategy) if self.mode == "auto" else None
+
+    @property
+    def frozen(self) -> Optional[np.ndarray]:
+        return getattr(self.strategy, "frozen", None)
+
+    def observe(self, rnd: RoundResult) -> Optional[dict]:
+        """A signature round (after the mixer took its communities): freeze when due; returns round.json's entry."""
+        if self.mode == "global":
+            return None
+        if self.frozen is None:
+            if self.mode == "communities" and rnd.index >= self.cfg.consensus.freeze_round:
+                k = self.cfg.consensus.k
+                self._freeze(rnd, rnd.communities.labels if k is None else clustering.cut_maxclust(
+                    rnd.communities.Z, k))
+            elif self.mode == "auto":
+                self._weigh(rnd)
+        info = {"mode": self.mode, "frozen": self.frozen is not None,
+                "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
+                "frozen_labels": None if self.frozen is None else self.frozen.tolist()}
+        if self.mode == "auto":
+            info["verdict"] = self.verdict
+        return info
+
+    def _weigh(self, rnd: RoundResult) -> None:
+        """auto: every rank's evidence since the last round, allgathered; the same verdict everywhere."""
+        cc = self.cfg.consensus
+        with self.timer("idle"):
+            rows = self.world.allgather(self.probe.take())
+        self.totals += rows
+        verdict = conflict.decide(self.totals, cc.auto_harm, cc.auto_min_merges)
+        self.verdict = {"round": rnd.index, "t": rnd.t, **verdict.to_dict()}
+        if verdict.decision == "freeze":
+            self._freeze(rnd, rnd.communities.labels)
+
+    def _freeze(self, rnd: RoundResult, labels: np.ndarray) -> None:
+        assert isinstance(self.strategy, Community)
+        self.strategy.freeze(labels)
+        self.frozen_round, self.frozen_t = rnd.index, rnd.t
+
+    def dispersion(self, rnd: RoundResult) -> Optional[float]:
+        """Once frozen, the consensus rule's dispersion: the largest inside one frozen community."""
+        if self.frozen is None:
+            return None
+        counted = np.isfinite(rnd.signatures).all(axis=1) & ~rnd.outliers
+        return signature.community_dispersion(rnd.signatures[counted], self.frozen[counted])
+
+    def summary(self) -> Optional[dict]:
+        """summary.json's ``consensus_mode``: the decision and the evidence behind it."""
+        if self.mode == "global":
+            return None
+        out = {"mode": self.mode, "decision": "communities" if self.frozen is not None else "consensus",
+               "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
+               "communities": None if self.frozen is None else int(self.frozen.max()) + 1}
+        if self.mode == "auto":
+            out["evidence"] = {"thresholds": {"auto_harm": self.cfg.consensus.auto_harm,
+                                              "auto_min_merges": self.cfg.consensus.auto_min_merges},
+                               "last_verdict": self.verdict, "totals": conflict.totals(self.totals)}
+        return out
+
+    def state_dict(self) -> dict:
+        return {"frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
+                "totals": torch.from_numpy(self.totals.copy()), "verdict": self.verdict,
+                "probe": None if self.probe is None else self.probe.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frozen_round, self.frozen_t = state["frozen_round"], state["frozen_t"]
+        self.totals = state["totals"].numpy().copy()
+        self.verdict = state["verdict"]
+        if self.probe is not None:
+            self.probe.load_state_dict(state["probe"])
