@@ -1,4 +1,4 @@
-"""Command line: ``communities run | validate | inspect | compare | bench | slurm``.
+"""Command line: ``communities run | validate | inspect | compare | bench | slurm | export``.
 
 ``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
 process. Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by
@@ -26,6 +26,7 @@ DELEGATED = {
     "compare": (".tools.compare", "main_compare"),
     "bench": (".tools.bench", "main_bench"),
     "slurm": (".tools.slurm", "main_slurm"),
+    "export": (".tools.export", "main_export"),
 }
 
 
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | overhead | inspect",
                    add_help=False)
     sub.add_parser("slurm", help="write (and --submit) an sbatch script for a config", add_help=False)
+    sub.add_parser("export", help="one model per community of a saved round: export RUN --round R --k K",
+                   add_help=False)
     return parser
 
 

@@ -97,6 +97,7 @@ class CommunityMode:
         """A signature round (after the mixer took its communities): freeze when due; returns round.json's entry."""
         if self.mode == "global":
             return None
+        weighed = False
         if self.frozen is None:
             if self.mode == "communities" and rnd.index >= self.cfg.consensus.freeze_round:
                 k = self.cfg.consensus.k
@@ -104,11 +105,12 @@ class CommunityMode:
                     rnd.communities.Z, k))
             elif self.mode == "auto":
                 self._weigh(rnd)
+                weighed = True
         info = {"mode": self.mode, "frozen": self.frozen is not None,
                 "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
                 "frozen_labels": None if self.frozen is None else self.frozen.tolist()}
         if self.mode == "auto":
-            info["verdict"] = self.verdict
+            info["verdict"] = self.verdict if weighed else None  # null: no evidence weighed at this round
         return info
 
     def _weigh(self, rnd: RoundResult) -> None:

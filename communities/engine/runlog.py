@@ -270,5 +270,22 @@ def print_summary(s: Summary, run_dir: Path) -> None:
         print(f"examples                 {e['total']} held: {e['active']} active, {e['reserve']} reserve, "
               f"{e['retired']} retired ({100 * e['retired_fraction']:.1f}%); {e['forgetting_events']} forgetting "
               f"events; {e['globally_hard']} globally hard")
+    if s.consensus_mode:
+        m = s.consensus_mode
+        what = (f"froze {m['communities']} communities at round {m['frozen_round']} (t={m['frozen_t']})"
+                if m["decision"] == "communities" else "kept annealing to one consensus")
+        print(f"consensus.mode {m['mode']:<9} {what}")
+    if s.community_models:
+        models = s.community_models["models"]
+        print(f"community models         {len(models)} in {run_dir / 'models'}: " + ", ".join(
+            f"{e['community']}: {_acc(e['local_test_acc'])}" for e in models) + " (local test accuracy)")
+    if s.local_test:
+        lt = s.local_test
+        print(f"local test accuracy      {lt['delivered']} {_acc(lt['mean_acc'])} (mean over ranks); own models "
+              f"{_acc(lt['mean_own_acc'])}, consensus {_acc(lt['mean_consensus_acc'])}")
     print(f"wall time                {s.wall_time:.1f}s: {split}")
     print(f"results                  {run_dir}")
+
+
+def _acc(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4f}"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List, Sequence
 
 from .figures import RunFigures
-from .load import RunView, compress_counts, fmt, round_rows, summary_text
+from .load import RunView, community_model_rows, compress_counts, fmt, models_at_round, round_rows, summary_text
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1600px;color:#222}
@@ -96,7 +96,20 @@ def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: s
         parts.append(_img(figs.views, "agreement of the views"))
     parts.append(f"<h3>Dendrograms</h3><p>{_e(note)}.</p>")
     for r, names in figs.dendrograms:
-        parts.append(_img(names, f"dendrogram of round {r}"))
+        models = [row for rec in models_at_round(view, r) for row in community_model_rows(rec)]
+        if models:  # side by side: the tree and the accuracies of the community models cut from it
+            parts.append('<div style="display:flex;gap:1em;align-items:flex-start"><div style="flex:3">'
+                         + _img(names, f"dendrogram of round {r}") + '</div><div style="flex:2">'
+                         + f"<p>Community models of round {r}</p>" + _round_table(models) + "</div></div>")
+        else:
+            parts.append(_img(names, f"dendrogram of round {r}"))
+    if view.community_models:
+        rows = [row for rec in view.community_models for row in community_model_rows(rec)]
+        parts.append("<h3>Community models</h3><p>One model per community: delivered by the engine "
+                     "(<code>models/</code>, consensus.mode or IFCA) and built by <code>communities export</code> "
+                     "(<code>exports/</code>). <i>local test acc</i> is the mean over the members of the model's "
+                     "accuracy on each member's local test data; <i>shared test acc</i> is on the shared (pooled) "
+                     "test split.</p>" + _round_table(rows))
     rows = round_rows(view)
     write_csv(out / f"{prefix}rounds.csv", rows)
     parts.append(f'<h3>Rounds</h3><p><a href="{_e(prefix)}rounds.csv">rounds.csv</a></p>')

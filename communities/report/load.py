@@ -255,6 +255,7 @@ class RunView:
     merge_norm: np.ndarray = field(default_factory=lambda: np.zeros(0))  # mean update norm per t
     merge_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
     view_agreement: Dict[int, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # async: rank -> (wall, ARI)
+    community_models: List[dict] = field(default_factory=list)  # models/ and exports/*/ communities.json records
     notes: List[str] = field(default_factory=list)
     status: str = "?"  # meta.json's status as it stands (a killed run's "running" reads "interrupted")
 
@@ -295,6 +296,7 @@ def load_view(path: Path) -> RunView:
     _read_consensus(view)
     _read_merges(view)
     _read_views(view)
+    _read_community_models(view)
     return view
 
 
@@ -469,6 +471,45 @@ def _read_views(view: RunView) -> None:
         view.view_agreement[r] = (np.array([v["wall"] for v in mine]), np.array(ari, dtype=float))
 
 
+def _read_community_models(view: RunView) -> None:
+    """The per-community models the engine delivered (models/) and ``communities export`` wrote (exports/*/).
+
+    Each record gets ``source`` (the directory it came from, relative to the run). The numbers are read, not
+    recomputed: the report never loads the models (no torch).
+    """
+    paths = [view.path / "models" / "communities.json"] + sorted(view.path.glob("exports/*/communities.json"))
+    for p in paths:
+        if not p.is_file():
+            continue
+        with _reading(p):
+            record = read_json(p)
+            if not isinstance(record, dict) or not isinstance(record.get("models"), list):
+                raise ValueError("expected an object with a 'models' list")
+            for e in record["models"]:
+                int(e["community"]), list(e["members"])  # noqa: B018 - the fields the report shows must be there
+        view.community_models.append({**record, "source": str(p.parent.relative_to(view.path))})
+
+
+def models_at_round(view: RunView, round_index: int) -> List[dict]:
+    """The community-model records of one round (engine models taken at that round's unit, exports of it)."""
+    return [r for r in view.community_models if r.get("round") is not None and int(r["round"]) == round_index]
+
+
+def community_model_rows(record: dict) -> List[Dict[str, object]]:
+    """One row per community model of a record: what the report's tables show."""
+    level = (f"k={record['k']}" if record.get("k") is not None else
+             f"height={record['height']}" if record.get("height") is not None else record.get("kind", "?"))
+    return [{"source": record["source"], "round": record.get("round"), "t": record.get("t"), "level": level,
+             "community": int(e["community"]), "members": _ranges_plain(e["members"]),
+             "local test acc": e.get("local_test_acc"), "shared test acc": e.get("test_acc")}
+            for e in record["models"]]
+
+
+def _ranges_plain(values: Sequence[int]) -> str:
+    text = _ranges(values) if values else "none"
+    return text.removeprefix("rounds ").removeprefix("round ")
+
+
 def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
@@ -551,9 +592,24 @@ def summary_text(view: RunView) -> str:
         lines.append(f"consensus reached at t={s.consensus_reached_t} (final dispersion {fmt(s.final_dispersion, 4)})")
     else:
         lines.append(f"consensus not reached (final dispersion {fmt(s.final_dispersion, 4)}, {s.units} units)")
+    if s is not None and s.consensus_mode:
+        lines.append(f"consensus.mode {mode_text(s.consensus_mode)}")
+    if s is not None and s.local_test:
+        lt = s.local_test
+        lines.append(f"local test accuracy: delivered ({lt.get('delivered')}) mean {fmt(lt.get('mean_acc'))}; "
+                     f"own models {fmt(lt.get('mean_own_acc'))}, consensus {fmt(lt.get('mean_consensus_acc'))}")
     if s is not None and s.time_split:
         lines.append(f"wall time {fmt(s.wall_time)} s: " + wall_split_text(s.time_split))
     return "\n".join(lines)
+
+
+def mode_text(mode: dict) -> str:
+    """summary.json's consensus_mode in one line: what was decided, when."""
+    head = f"{mode.get('mode')}: "
+    if mode.get("decision") == "communities":
+        return head + (f"froze {mode.get('communities')} communities at round {mode.get('frozen_round')} "
+                       f"(t={mode.get('frozen_t')}); one model each")
+    return head + "the communities kept merging into one consensus"
 
 
 def wall_split_text(split: Dict[str, float]) -> str:

@@ -502,6 +502,20 @@ def _stats(values: Sequence[float]) -> dict:
             "values": v.tolist()}
 
 
+def delivered(summary) -> str:
+    """What a run hands each rank: ``consensus``, ``communities (C)``, ``ifca (k)``, ``finetuned`` or ``own``."""
+    local = summary.local_test or {}
+    kind = local.get("delivered")
+    models = (summary.community_models or {}).get("models")
+    if kind is None:
+        kind = "communities" if (summary.consensus_mode or {}).get("decision") == "communities" else (
+            "own" if summary.strategy == "isolated" else "consensus")
+    if kind in ("communities", "ifca") and models is not None:
+        used = sum(1 for m in models if m["members"])
+        return f"{kind} ({used})"
+    return kind
+
+
 def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
     arms = {}
     runs = []
@@ -521,7 +535,9 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
                          bytes_sent_mean=s.bytes_sent_mean, wall_time=s.wall_time, units=s.units,
                          merges=s.merges, target=tt, data_bytes_mean=s.data_bytes_mean,
                          monitoring_bytes_mean=s.monitoring_bytes_mean, idle_share=idle_share(p.path, s),
-                         retired_fraction=(s.examples or {}).get("retired_fraction"))
+                         retired_fraction=(s.examples or {}).get("retired_fraction"),
+                         first_round_ari=s.first_round_ari, local_test_acc=(s.local_test or {}).get("mean_acc"),
+                         delivered=delivered(s))
             curves.setdefault(p.arm.label, []).append({"seed": p.seed, **c})
         runs.append(entry)
     for arm in spec.arms:
@@ -540,6 +556,9 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             "idle_share": _stats([r["idle_share"] for r in mine if r["idle_share"] is not None]),
             "data_bytes_per_rank": _stats([r["data_bytes_mean"] for r in mine]),
             "retired_fraction": _stats([r["retired_fraction"] for r in mine if r["retired_fraction"] is not None]),
+            "local_test_acc": _stats([r["local_test_acc"] for r in mine if r["local_test_acc"] is not None]),
+            "first_round_ari": _stats([r["first_round_ari"] for r in mine if r["first_round_ari"] is not None]),
+            "delivered": sorted({r["delivered"] for r in mine}),
             "target": {"accuracy": spec.target_accuracy, "reached": len(hits), "of": len(mine),
                        "t": _stats([h["t"] for h in hits]), "bytes": _stats([h["bytes"] for h in hits]),
                        "wall": _stats([h["wall"] for h in hits]),
@@ -565,6 +584,7 @@ def _pm(st: dict, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
 def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
     target = agg["target_accuracy"]
     moving = any(r.get("data_bytes_mean") or r.get("retired_fraction") is not None for r in agg["runs"])
+    personal = any(r.get("local_test_acc") is not None for r in agg["runs"])
     lines = [f"# Comparison `{agg['name']}`", ""]
     if spec.description:
         lines += [spec.description.strip(), ""]
@@ -572,6 +592,33 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         f"Base config `{agg['base']}`, {agg['world_size']} ranks, seeds {agg['seeds']}"
         + (f", common overrides `{' '.join(agg['overrides'])}`" if agg["overrides"] else "") + ".",
         "",
+    ]
+    if personal:
+        lines += [
+            "| strategy | runs | delivered | mean local-test acc | consensus test acc | first-round ARI "
+            "| MB sent / rank | wall s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for label, a in agg["strategies"].items():
+            lines.append(
+                f"| {label} | {a['runs']}/{a['planned']} | {', '.join(a['delivered']) or '-'} "
+                f"| {_pm(a['local_test_acc'])} | {_pm(a['consensus_test_acc'])} | {_pm(a['first_round_ari'], '{:.3f}')} "
+                f"| {_pm(a['bytes_sent_per_rank'], '{:.2f}', 1e-6)} | {_pm(a['wall_time'], '{:.1f}')} |")
+        lines += [
+            "",
+            "- *delivered*: the model each rank ends with (summary `local_test.delivered`): the `consensus` (mean of "
+            "every rank), its frozen community's model (`communities (C)`: C communities, consensus.mode), its IFCA "
+            "pick (`ifca (k)`: k shared models that some rank picked), the consensus fine-tuned on its shard "
+            "(`finetuned`), or its `own` model (isolated ranks).",
+            "- *mean local-test acc*: that model's accuracy on each rank's local test data (held out of its own "
+            "shard, `data.local_test_fraction`, its own group's distribution), averaged over the ranks "
+            "(summary `local_test.mean_acc`).",
+            "- *consensus test acc*: the mean of every rank's weights on the shared test split (pooled over the "
+            "groups under a `data.shift`).",
+            "- *first-round ARI*: the first signature round's communities against the planted groups.",
+            "",
+        ]
+    lines += [
         "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s | idle % "
         f"| reached {target:g} | t to target (units) | MB to target | wall s to target |"
         + (" data MB / rank | retired % |" if moving else ""),
@@ -619,19 +666,22 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "",
         "## Runs",
         "",
-        "| run | strategy | seed | status | consensus acc | best-rank acc | MB / rank | wall s | t to target |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | strategy | seed | status | consensus acc | best-rank acc | MB / rank | wall s | t to target |"
+        + (" delivered | local-test acc |" if personal else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if personal else ""),
     ]
     for r in agg["runs"]:
         if "consensus_test_acc" in r:
             t = r["target"]["t"] if r["target"] else None
+            local = r.get("local_test_acc")
             lines.append(f"| {r['name']} | {r['strategy']} | {r['seed']} | {r['status']} | "
                          f"{r['consensus_test_acc']:.4f} | {r['best_rank_acc']:.4f} | "
                          f"{r['bytes_sent_mean'] / 1e6:.2f} | {r['wall_time']:.1f} | "
-                         f"{'-' if t is None else f'{t:.0f}'} |")
+                         f"{'-' if t is None else f'{t:.0f}'} |"
+                         + (f" {r['delivered']} | {'-' if local is None else f'{local:.4f}'} |" if personal else ""))
         else:
             lines.append(f"| {r['name']} | {r['strategy']} | {r['seed']} | {r['status']} | - | - | - | - | - |"
-                         + (f" {r['error']}" if r.get("error") else ""))
+                         + (" - | - |" if personal else "") + (f" {r['error']}" if r.get("error") else ""))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -788,12 +838,14 @@ def compare_one(spec: Spec, args) -> int:
 
 
 def _summary_table(agg: dict) -> str:
+    personal = any(a["local_test_acc"]["n"] for a in agg["strategies"].values())
     rows = [["strategy", "runs", "consensus acc", "best-rank acc", "MB/rank", "wall s",
-             f"t to {agg['target_accuracy']:g}"]]
+             f"t to {agg['target_accuracy']:g}"] + (["local-test acc", "delivered"] if personal else [])]
     for label, a in agg["strategies"].items():
         rows.append([label, f"{a['runs']}/{a['planned']}", _pm(a["consensus_test_acc"]), _pm(a["best_rank_acc"]),
                      _pm(a["bytes_sent_per_rank"], "{:.2f}", 1e-6), _pm(a["wall_time"], "{:.1f}"),
-                     f"{_pm(a['target']['t'], '{:.0f}')} ({a['target']['reached']}/{a['target']['of']})"])
+                     f"{_pm(a['target']['t'], '{:.0f}')} ({a['target']['reached']}/{a['target']['of']})"]
+                    + ([_pm(a["local_test_acc"]), ", ".join(a["delivered"]) or "-"] if personal else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
