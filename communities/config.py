@@ -248,10 +248,11 @@ class ConsensusConfig(_Section):
     k: Optional[int] = Field(None, ge=1, description="mode communities: cut that round's tree into k communities "
                              "(scipy fcluster maxclust) instead of the round's own cut (null: the round's cut)")
     auto_harm: float = Field(
-        0.5, gt=0, description="mode auto: cross-community merges hurt when they raise the members' local "
+        0.25, gt=0, description="mode auto: cross-community merges hurt when they raise the members' local "
         "validation loss by more than this (relative to its value before the merge) beyond what merges inside "
         "a community do")
-    auto_min_merges: int = Field(4, ge=1, description="mode auto: cross-community merges needed before deciding")
+    auto_min_merges: int = Field(8, ge=1, description="mode auto: cross-community merge sides scored (each "
+                                 "exchange has two) needed before deciding")
     finetune_units: int = Field(0, ge=0, description="after the run, each rank fine-tunes the consensus model "
                                 "this many units on its own shard and is scored on its local test data (0: off)")
 

@@ -30,7 +30,7 @@ from scipy.spatial.distance import pdist
 
 from .. import manifest, runlock
 from ..core.clustering import adjusted_rand
-from ..results import ResultsError, Run, load_round, open_run, read_jsonl
+from ..results import ResultsError, Run, load_round, open_run, read_json, read_jsonl
 
 # --------------------------------------------------------------------------- pure helpers
 

@@ -1,0 +1,202 @@
+"""One model or several (issue 15), under a real mpiexec: community models, export, auto, IFCA, fine-tuning.
+
+Every run is the tiny config on 4 ranks (2 planted groups of 2) with each rank holding out 20% of its shard as
+its local test data; "label-permuted" means IID shards where group 1 sees every label under a fixed permutation,
+the conflict one consensus model cannot serve.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from communities.results import open_run, read_jsonl
+from tests.conftest import TINY
+from tests.helpers.mpi import run_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+PERMUTED = ["data.partition=iid", "data.shift=label_permutation", "data.local_test_fraction=0.2"]
+N = 4
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def flat_of(state: dict, run_dir: Path) -> torch.Tensor:
+    """A saved state_dict as the engine's flat buffer (workload.models.flatten_ order)."""
+    from communities import config
+    from communities.workload import data, models
+
+    cfg = config.from_dict(open_run(run_dir).config)
+    ds = data.load(cfg.data, cfg.seed)
+    model = models.build(cfg.model, ds.input_shape, ds.n_classes)
+    flat, _ = models.flatten_(model)
+    model.load_state_dict(state)
+    return flat
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    path.write_text(TINY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def communities_run(tmp_path_factory, tiny) -> Path:
+    """consensus.mode communities on label-permuted groups, with round snapshots; 40 units, rounds every 5."""
+    root = tmp_path_factory.mktemp("communities")
+    run_engine(N, tiny, root, *PERMUTED, "consensus.mode=communities", "output.round_snapshots=true")
+    return root / "tiny"
+
+
+def test_community_models_are_the_mean_of_their_members_weights(communities_run):
+    record = json.loads((communities_run / "models" / "communities.json").read_text())
+    assert record["kind"] == "communities" and record["round"] == 7 and record["t"] == 40  # the last round
+    assert record["labels"] == [0, 0, 1, 1] and record["frozen_round"] == 0
+    for e in record["models"]:
+        snaps = [torch.load(communities_run / "snapshots" / "round_0007" / f"rank{r:05d}.pt", weights_only=True)
+                 for r in e["members"]]
+        assert all(s["t"] == 40 and s["round"] == 7 for s in snaps)
+        # the snapshots at t=40 are the final weights; the engine sums them in float64 (Split + Allreduce)
+        mean = torch.stack([s["flat"] for s in snaps]).double().mean(0).float()
+        model = torch.load(communities_run / e["file"], weights_only=True)
+        assert torch.equal(flat_of(model, communities_run), mean)  # exactly: a float64 sum of 2 floats is exact
+        other = [r for r in range(N) if r not in e["members"]][0]
+        own = torch.load(communities_run / "snapshots" / "round_0007" / f"rank{other:05d}.pt", weights_only=True)
+        assert not torch.equal(own["flat"], mean)
+
+
+def test_summary_reports_the_decision_and_the_local_test_accuracy(communities_run):
+    s = json.loads((communities_run / "summary.json").read_text())
+    assert s["consensus_mode"]["decision"] == "communities" and s["consensus_mode"]["communities"] == 2
+    lt = s["local_test"]
+    assert lt["delivered"] == "communities" and len(lt["acc"]) == N and lt["sizes"] == [30] * N
+    # one model per group serves its members; the one consensus cannot serve conflicting labels
+    assert lt["mean_acc"] > lt["mean_consensus_acc"] + 0.2
+    assert s["first_round_ari"] == 1.0
+    meta = json.loads((communities_run / "meta.json").read_text())
+    assert {"models/community_0.pt", "models/community_1.pt"} <= set(meta["files"])  # digests for inspect
+    metrics = read_jsonl(communities_run / "metrics.jsonl")
+    assert all("local_acc" in m for m in metrics) and any(m["local_acc"] is not None for m in metrics)
+    rounds = open_run(communities_run).rounds()
+    assert rounds[-1].info["consensus_mode"]["frozen_labels"] == [0, 0, 1, 1]
+    assert rounds[-1].info["law"] == "frozen" and rounds[-1].info["p_cross"] == 0.0
+    merges = read_jsonl(communities_run / "merges.jsonl")
+    assert merges and all(m["i"] // 2 == m["j"] // 2 for m in merges if m["t"] > 5)  # no cross merge once frozen
+
+
+def test_export_reproduces_what_the_engine_saved_at_the_same_round(communities_run, tmp_path, capsys):
+    from communities.tools.export import main_export
+
+    out = tmp_path / "export"
+    assert main_export([str(communities_run), "--round", "7", "--k", "2", "--out", str(out)]) == 0
+    assert "2 communities" in capsys.readouterr().out
+    engine = json.loads((communities_run / "models" / "communities.json").read_text())
+    mine = json.loads((out / "communities.json").read_text())
+    assert mine["labels"] == engine["labels"]
+    for a, b in zip(engine["models"], mine["models"]):
+        assert a["members"] == b["members"]
+        assert identical(torch.load(communities_run / a["file"], weights_only=True),
+                         torch.load(out / b["file"], weights_only=True))
+        assert b["local_test_acc"] == pytest.approx(a["local_test_acc"], abs=1e-12)
+        assert b["test_acc"] == pytest.approx(a["test_acc"], abs=1e-12)
+    # an earlier round, by height, lands in RUN/exports/ where inspect finds it
+    Z = np.load(communities_run / "rounds" / "round_0002" / "Z.npy")
+    assert main_export([str(communities_run), "--round", "2", "--height", str(float(Z[-1, 2]) * 1.01)]) == 0
+    assert (communities_run / "exports" / f"round_0002_h{float(Z[-1, 2]) * 1.01:g}" / "community_0.pt").is_file()
+
+
+def test_export_refuses_bad_input_naming_it(communities_run, tmp_path, capsys):
+    from communities.tools.export import main_export
+
+    assert main_export([str(communities_run), "--round", "99", "--k", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "round_0099: no such round" in err and "rounds 0..7" in err
+    assert main_export([str(communities_run), "--round", "1", "--k", "0"]) == 2
+    assert "--k 0" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    shutil.copytree(communities_run, bare, ignore=shutil.ignore_patterns("snapshots"))
+    assert main_export([str(bare), "--round", "1", "--k", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "rank00000.pt: missing" in err and "output.round_snapshots=true" in err
+
+
+def test_inspect_shows_the_models_beside_their_round(communities_run, tmp_path, capsys):
+    from communities.report.inspection import main_inspect
+
+    assert main_inspect([str(communities_run), "--out", str(tmp_path / "report"), "--round", "7", "--no-svg"]) == 0
+    text = capsys.readouterr().out
+    assert "froze 2 communities at round 0" in text and "local test accuracy: delivered (communities)" in text
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Community models of round 7" in page and "<h3>Community models</h3>" in page
+
+
+def test_auto_freezes_on_label_permuted_groups_and_resumes_bitwise(tiny, tmp_path):
+    common = [*PERMUTED, "consensus.mode=auto", "train.budget=30", "checkpoint.every=10", "checkpoint.at_end=false"]
+    run_engine(N, tiny, tmp_path, *common)
+    run = tmp_path / "tiny"
+    s = json.loads((run / "summary.json").read_text())
+    mode = s["consensus_mode"]
+    assert mode["decision"] == "communities" and mode["communities"] == 2 and mode["frozen_round"] <= 3
+    verdict = mode["evidence"]["last_verdict"]
+    assert verdict["decision"] == "freeze" and verdict["harm"] > 0.5 and verdict["cross_merges"] >= 4
+    assert s["community_models"]["labels"] == [0, 0, 1, 1]  # the planted groups
+    assert s["local_test"]["mean_acc"] > s["local_test"]["mean_consensus_acc"]
+    # a resume from the checkpoint at t=20 (after the freeze) ends with the same bits
+    saved = {p.name: torch.load(p, weights_only=True) for p in [run / "consensus.pt", *run.glob("models/*.pt")]}
+    (run / "summary.json").unlink()
+    meta = run / "meta.json"
+    meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
+    run_engine(N, tiny, tmp_path, *common, extra=["--resume"])
+    for name, state in saved.items():
+        again = run / name if name == "consensus.pt" else run / "models" / name
+        assert identical(state, torch.load(again, weights_only=True)), name
+    assert json.loads((run / "summary.json").read_text())["consensus_mode"] == mode
+
+
+def test_auto_on_iid_data_keeps_merging_and_changes_no_bit(tiny, tmp_path):
+    iid = ["data.partition=iid", "data.local_test_fraction=0.2", "train.budget=30"]
+    run_engine(N, tiny, tmp_path / "auto", *iid, "consensus.mode=auto")
+    run_engine(N, tiny, tmp_path / "global", *iid, "consensus.finetune_units=3")
+    auto, glob = tmp_path / "auto" / "tiny", tmp_path / "global" / "tiny"
+    s = json.loads((auto / "summary.json").read_text())
+    assert s["consensus_mode"]["decision"] == "consensus" and s["local_test"]["delivered"] == "consensus"
+    assert "community_models" not in s and not (auto / "models").exists()
+    # scoring merges reads the weights and changes none: the consensus is the global run's, bit for bit
+    assert identical(torch.load(auto / "consensus.pt", weights_only=True),
+                     torch.load(glob / "consensus.pt", weights_only=True))
+    g = json.loads((glob / "summary.json").read_text())["local_test"]
+    assert g["delivered"] == "finetuned" and len(g["finetuned_acc"]) == N and g["acc"] == g["finetuned_acc"]
+    assert g["mean_consensus_acc"] == pytest.approx(s["local_test"]["mean_consensus_acc"])
+
+
+def test_ifca_trains_k_shared_models_and_resumes_bitwise(tiny, tmp_path):
+    common = [*PERMUTED, "strategy=ifca", "ifca.k=2", "merge.period=2", "train.budget=30", "checkpoint.every=10",
+              "checkpoint.at_end=false"]
+    run_engine(N, tiny, tmp_path, *common)
+    run = tmp_path / "tiny"
+    s = json.loads((run / "summary.json").read_text())
+    record = s["community_models"]
+    assert record["kind"] == "ifca" and record["k"] == 2 and len(record["models"]) == 2
+    assert sorted(r for m in record["models"] for r in m["members"]) == list(range(N))  # each rank picked one
+    assert s["local_test"]["delivered"] == "ifca" and len(s["local_test"]["acc"]) == N
+    averages = [m for m in read_jsonl(run / "merges.jsonl") if m["event"] == "average"]
+    assert sorted({m["t"] for m in averages}) == list(range(2, 31, 2)) and all(m["j"] == -1 for m in averages)
+    # ranks that picked the same model hold the same weights: their signatures coincide
+    last = open_run(run).rounds()[-1]
+    for m in record["models"]:
+        rows = last.signatures[m["members"]]
+        assert all(np.array_equal(rows[0], r) for r in rows)
+    saved = {p.name: torch.load(p, weights_only=True) for p in [run / "consensus.pt", *run.glob("models/*.pt")]}
+    (run / "summary.json").unlink()
+    meta = run / "meta.json"
+    meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
+    run_engine(N, tiny, tmp_path, *common, extra=["--resume"])
+    for name, state in saved.items():
+        again = run / name if name == "consensus.pt" else run / "models" / name
+        assert identical(state, torch.load(again, weights_only=True)), name
