@@ -241,16 +241,17 @@ class ConsensusConfig(_Section):
     mode: Literal["global", "communities", "auto"] = Field(
         "global", description="global: anneal to one consensus model; communities: freeze the communities of "
         "round freeze_round (cross-community merges off) and deliver one model per community; auto: keep "
-        "annealing while cross-community merges do not hurt the members' local validation loss, freeze when "
-        "they do (strategy community)")
-    freeze_round: int = Field(0, ge=0, description="mode communities: the signature round whose communities are "
-                              "frozen (0: the first)")
-    k: Optional[int] = Field(None, ge=1, description="mode communities: cut that round's tree into k communities "
-                             "(scipy fcluster maxclust) instead of the round's own cut (null: the round's cut)")
+        "annealing while merges across those communities do not hurt the members' local validation loss, freeze "
+        "them when they do (strategy community)")
+    freeze_round: int = Field(0, ge=0, description="modes communities/auto: the signature round whose communities "
+                              "are frozen (communities) or weighed and frozen if merging them hurts (auto); 0: the "
+                              "first, found before any cross-community merge")
+    k: Optional[int] = Field(None, ge=1, description="modes communities/auto: cut that round's tree into k "
+                             "communities (scipy fcluster maxclust) instead of the round's own cut (null: its cut)")
     auto_harm: float = Field(
-        0.25, gt=0, description="mode auto: cross-community merges hurt when they raise the members' local "
-        "validation loss by more than this (relative to its value before the merge) beyond what merges inside "
-        "a community do")
+        0.1, gt=0, description="mode auto: merges across the communities hurt when they raise the members' local "
+        "validation loss by more than this share of its value before the merge, beyond what merges inside a "
+        "community do")
     auto_min_merges: int = Field(8, ge=1, description="mode auto: cross-community merge sides scored (each "
                                  "exchange has two) needed before deciding")
     finetune_units: int = Field(0, ge=0, description="after the run, each rank fine-tunes the consensus model "
@@ -477,7 +478,7 @@ class Config(_Section):
             raise ConfigError(
                 f"data.groups={self.data.groups} planted groups need at least as many ranks; world size is {world}"
             )
-        if self.consensus.mode == "communities" and self.consensus.k is not None and self.consensus.k > world:
+        if self.consensus.mode != "global" and self.consensus.k is not None and self.consensus.k > world:
             raise ConfigError(f"consensus.k={self.consensus.k} communities need at least as many ranks; world size "
                               f"is {world}")
         if self.strategy == "community" and self.clustering.cut == "maxclust" and self.clustering.k.start > world:

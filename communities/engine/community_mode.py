@@ -1,15 +1,21 @@
 """``consensus.mode``: whether the communities anneal into one consensus, or freeze into one model each.
 
+Both modes look at one partition, the *candidate*: the communities of signature
+round ``consensus.freeze_round`` (default 0, the first: found from the ranks'
+drift before any cross-community merge), or ``consensus.k`` of that round's
+tree (scipy ``fcluster``, maxclust).
+
 - ``global`` (the default): nothing here acts; the ranks anneal to one consensus.
-- ``communities``: at signature round ``consensus.freeze_round`` the round's
-  communities (or ``consensus.k`` of its tree: scipy ``fcluster``, maxclust) are
-  frozen: partners come only from inside them and the annealing stops. The end
-  delivers one model per community (delivery.py).
-- ``auto``: a ``MergeProbe`` scores every merge on the rank's local validation
-  data; at each round the ranks allgather what it measured and
+- ``communities``: the candidate is frozen at once: partners come only from
+  inside its communities and the annealing stops. The end delivers one model
+  per community (delivery.py).
+- ``auto``: the annealing goes on, and a ``MergeProbe`` scores every merge on
+  the rank's local validation data, as across or inside the candidate's
+  communities; at each later round the ranks allgather what it measured and
   ``core/conflict.py`` decides, the same on every rank from the same bytes,
-  whether cross-community merges hurt. The round's communities are frozen when
-  they do; otherwise the annealing goes on to one consensus.
+  whether merges across them hurt. The candidate is frozen when they do (the
+  damage of the few cross merges made meanwhile is trained away inside each
+  community); otherwise the ranks go on to one consensus.
 
 Once frozen, consensus means every community is calm: the largest signature
 dispersion inside one community, in place of the world's.
@@ -33,7 +39,8 @@ class MergeProbe:
     """consensus.mode auto: what each merge did to this rank's model on its local validation data.
 
     Only the validation examples of classes the partner trains on are scored (``conflict.known_classes``):
-    label skew is not conflict. The sums since the last round go to the round's allgather.
+    label skew is not conflict. A merge is ``cross`` or ``intra`` by the candidate communities
+    (``labels``). The sums since the last round go to the round's allgather.
     """
 
     def __init__(self, replica: Replica, strategy: Strategy):
@@ -42,12 +49,12 @@ class MergeProbe:
         n_classes = replica.dataset.n_classes
         counts = np.array([np.bincount(y[s.indices], minlength=n_classes) for s in replica.shards])
         self.known = torch.as_tensor(conflict.known_classes(counts))  # (N, C)
+        self.labels: Optional[np.ndarray] = None  # the candidate communities (set by CommunityMode)
         self.row = conflict.empty()
 
     def active(self) -> bool:
-        """Merges are scored while there are communities and they are not frozen."""
-        com = self.strategy.communities
-        return com is not None and getattr(self.strategy, "frozen", None) is None
+        """Merges are scored once there is a candidate, until the communities are frozen."""
+        return self.labels is not None and getattr(self.strategy, "frozen", None) is None
 
     def merged(self, partner: int, before: torch.Tensor, a: float) -> None:
         """After a merge with ``partner`` (this rank's weights were ``before``, are now merged with weight a)."""
@@ -62,8 +69,7 @@ class MergeProbe:
         acc_b, loss_b = r.evaluate_on(x, y, before)
         acc_a, loss_a = r.evaluate_on(x, y, after)
         acc_p, loss_p = r.evaluate_on(x, y, partner_w)
-        labels = self.strategy.communities.labels
-        kind = "intra" if labels[partner] == labels[self.rank] else "cross"
+        kind = "intra" if self.labels[partner] == self.labels[self.rank] else "cross"
         conflict.record(self.row, kind, n, loss_b * n, loss_a * n, loss_p * n, acc_b * n, acc_a * n, acc_p * n)
 
     def take(self) -> np.ndarray:
@@ -83,6 +89,7 @@ class CommunityMode:
     def __init__(self, cfg, world: World, timer: Timer, replica: Replica, strategy: Strategy):
         self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
         self.mode = cfg.consensus.mode
+        self.candidate: Optional[np.ndarray] = None  # the communities weighed (auto) or frozen (communities)
         self.frozen_round: Optional[int] = None
         self.frozen_t: Optional[int] = None
         self.totals = np.zeros((world.size, conflict.WIDTH))  # auto: every rank's evidence since the first round
@@ -99,15 +106,20 @@ class CommunityMode:
             return None
         weighed = False
         if self.frozen is None:
-            if self.mode == "communities" and rnd.index >= self.cfg.consensus.freeze_round:
-                k = self.cfg.consensus.k
-                self._freeze(rnd, rnd.communities.labels if k is None else clustering.cut_maxclust(
-                    rnd.communities.Z, k))
+            if self.candidate is None:
+                if rnd.index >= self.cfg.consensus.freeze_round:
+                    k = self.cfg.consensus.k
+                    self.candidate = rnd.communities.labels.copy() if k is None else \
+                        clustering.cut_maxclust(rnd.communities.Z, k)
+                    if self.probe is not None:
+                        self.probe.labels = self.candidate
+                    if self.mode == "communities":
+                        self._freeze(rnd)
             elif self.mode == "auto":
                 self._weigh(rnd)
                 weighed = True
-        info = {"mode": self.mode, "frozen": self.frozen is not None,
-                "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
+        info = {"mode": self.mode, "candidate": None if self.candidate is None else self.candidate.tolist(),
+                "frozen": self.frozen is not None, "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
                 "frozen_labels": None if self.frozen is None else self.frozen.tolist()}
         if self.mode == "auto":
             info["verdict"] = self.verdict if weighed else None  # null: no evidence weighed at this round
@@ -122,11 +134,11 @@ class CommunityMode:
         verdict = conflict.decide(self.totals, cc.auto_harm, cc.auto_min_merges)
         self.verdict = {"round": rnd.index, "t": rnd.t, **verdict.to_dict()}
         if verdict.decision == "freeze":
-            self._freeze(rnd, rnd.communities.labels)
+            self._freeze(rnd)
 
-    def _freeze(self, rnd: RoundResult, labels: np.ndarray) -> None:
-        assert isinstance(self.strategy, Community)
-        self.strategy.freeze(labels)
+    def _freeze(self, rnd: RoundResult) -> None:
+        assert isinstance(self.strategy, Community) and self.candidate is not None
+        self.strategy.freeze(self.candidate)
         self.frozen_round, self.frozen_t = rnd.index, rnd.t
 
     def dispersion(self, rnd: RoundResult) -> Optional[float]:
@@ -150,13 +162,16 @@ class CommunityMode:
         return out
 
     def state_dict(self) -> dict:
-        return {"frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
+        return {"candidate": None if self.candidate is None else torch.from_numpy(self.candidate.copy()),
+                "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
                 "totals": torch.from_numpy(self.totals.copy()), "verdict": self.verdict,
                 "probe": None if self.probe is None else self.probe.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self.candidate = None if state["candidate"] is None else state["candidate"].numpy().copy()
         self.frozen_round, self.frozen_t = state["frozen_round"], state["frozen_t"]
         self.totals = state["totals"].numpy().copy()
         self.verdict = state["verdict"]
         if self.probe is not None:
             self.probe.load_state_dict(state["probe"])
+            self.probe.labels = self.candidate

@@ -28,8 +28,8 @@ from ..results import finite_or_none
 from ..runtime.comm import World
 from ..workload import train
 from .community_mode import CommunityMode
-from .ifca import IFCA
 from .replica import Replica
+from .strategies import IFCA
 from .timer import Timer
 
 MODELS_DIR = "models"

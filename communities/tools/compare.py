@@ -602,7 +602,8 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         for label, a in agg["strategies"].items():
             lines.append(
                 f"| {label} | {a['runs']}/{a['planned']} | {', '.join(a['delivered']) or '-'} "
-                f"| {_pm(a['local_test_acc'])} | {_pm(a['consensus_test_acc'])} | {_pm(a['first_round_ari'], '{:.3f}')} "
+                f"| {_pm(a['local_test_acc'])} | {_pm(a['consensus_test_acc'])} "
+                f"| {_pm(a['first_round_ari'], '{:.3f}')} "
                 f"| {_pm(a['bytes_sent_per_rank'], '{:.2f}', 1e-6)} | {_pm(a['wall_time'], '{:.1f}')} |")
         lines += [
             "",

@@ -353,7 +353,8 @@ def shifted(ds: Dataset, shards: List[Shard], kind: str, groups: int, seed: int)
 
 
 def prepare(cfg, seed: int, world: int) -> Prepared:
-    """Load ``cfg`` (a DataConfig), partition it over ``world`` ranks, shift the planted groups, hold out local tests."""
+    """Load ``cfg`` (a DataConfig), partition it over ``world`` ranks, shift the planted groups, hold out local
+    tests."""
     ds = load(cfg, seed)
     shards = partition(ds.y_train, world, cfg.partition, seed, cfg.alpha, cfg.groups, cfg.purity)
     declared = declared_groups(ds, shards)

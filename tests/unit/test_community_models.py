@@ -65,12 +65,13 @@ def test_prepare_gives_each_rank_its_groups_distribution_and_a_local_test_split(
     plain = data.load(cfg.data, cfg.seed)
     p = data.prepare(cfg.data, cfg.seed, 8)
     assert [s.group for s in p.shards] == [0, 0, 1, 1, 2, 2, 3, 3]  # data.groups blocks, whatever the partition
-    for r, (s, local) in enumerate(zip(p.shards, p.local_tests)):
+    for s, local in zip(p.shards, p.local_tests):
         assert local.size and not set(local.tolist()) & set(s.indices.tolist())
         perm = shift.label_permutation(10, s.group, cfg.seed)
         for idx in (s.indices, local):  # training and local test data: the same group's labels
             assert np.array_equal(p.dataset.y_train[idx], perm[plain.y_train[idx]])
-    described = data.describe(p.shards, p.dataset.y_train, "iid", len(p.dataset.y_test), p.local_tests, "label_permutation")
+    described = data.describe(p.shards, p.dataset.y_train, "iid", len(p.dataset.y_test), p.local_tests,
+                              "label_permutation")
     assert described["shift"] == "label_permutation" and described["local_test_sizes"] == [34] * 8
 
 
