@@ -4,9 +4,10 @@ The model a rank delivers is:
 
 - ``consensus``: the Allreduce mean of every rank (consensus.mode global, or auto that kept annealing);
 - ``communities``: its frozen community's model (consensus.mode communities, or auto that froze): the mean over
-  the community's members, by ``World.group_mean_`` (a Comm.Split by community label and an Allreduce inside),
-  summed in float64, so that any order of summation, an MPI library's or ``communities export``'s, gives the
-  same float32 model (a float64 sum of a few float32 values of one weight is exact);
+  the community's members that count (not diverged), by ``World.group_mean_`` (a Comm.Split by community label
+  and an Allreduce inside), summed in float64, so that any order of summation, an MPI library's or
+  ``communities export``'s, gives the same float32 model (a float64 sum of a few float32 values of one weight
+  is exact);
 - ``ifca``: the shared IFCA model with the lowest loss on its shard (strategy ifca);
 - ``finetuned``: the consensus fine-tuned ``consensus.finetune_units`` units on its own shard;
 - ``own``: its own model (strategy isolated).
@@ -108,7 +109,7 @@ class Delivery:
         if self.mode.frozen is not None:
             label = int(self.mode.frozen[world.rank])
             model = r.flat.to(torch.float64)
-            world.group_mean_(model, label)
+            world.group_mean_(model, label, counts=r.keep)  # a diverged member does not count
             model = model.to(r.flat.dtype)
             # each community's lowest rank sends its model to rank 0 (float64 rows: float32 round-trips exactly)
             leader = int(np.flatnonzero(self.mode.frozen == label)[0]) == world.rank

@@ -511,15 +511,21 @@ class World:
             comm = self.comm.Split(int(color), self.rank)
         return Subgroup(self, comm)
 
-    def group_mean_(self, t: torch.Tensor, color: int) -> int:
-        """In place: the mean of ``t`` over the ranks of the same ``color`` (Split, then an Allreduce inside).
+    def group_mean_(self, t: torch.Tensor, color: int, counts: bool = True) -> int:
+        """In place: the mean of ``t`` over the ranks of the same ``color`` (Split, then Allreduces inside).
 
-        Returns how many ranks share the color. Every rank of the world calls it.
+        ``counts`` False: this rank's ``t`` is left out of the mean (it adds zeros; a diverged model), though it
+        receives the mean. Returns how many ranks of the color counted. Every rank of the world calls it.
         """
         with self.split(color) as group:
+            if not counts:
+                t.zero_()
             group.allreduce_sum_(t)
-            t.div_(group.size)
-            return group.size
+            n = torch.tensor([float(counts)], dtype=torch.float64)
+            group.allreduce_sum_(n)
+            counted = int(n.item())
+            t.div_(max(counted, 1))
+            return counted
 
     def barrier(self, what: str = "Barrier") -> None:
         with self.collective(what):
