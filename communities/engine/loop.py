@@ -65,7 +65,6 @@ class Engine:
         self.mode = CommunityMode(cfg, world, self.timer, self.replica, self.mixer.strategy)
         self.mixer.probe = self.mode.probe
         self.snapshots = RoundSnapshots(world, Path(run_dir)) if cfg.output.round_snapshots else None
-        self.last_round_t: Optional[int] = None  # the unit of the latest signature round
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
                                     device, self.replica.flat.numel())
@@ -155,7 +154,6 @@ class Engine:
             decision = self.consensus.observe(rnd, self.mixer.annealed(t), self.mode.dispersion(rnd))
             if self.snapshots is not None:
                 self.snapshots.save(rnd.index, t, self.replica.flat, self.replica.n_params)
-            self.last_round_t = t
         self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker, mode)
         return decision
 
@@ -199,7 +197,8 @@ class Engine:
         with self.timer("eval"):
             acc, loss = replica.evaluate(mean)
         distance = float(torch.dist(replica.flat, mean) / max(float(mean.norm()), 1e-12))
-        at_round = self.rounds.index - 1 if self.last_round_t == self.t else None
+        # the round written at this very unit, if any (its snapshots are the weights delivered now)
+        at_round = self.rounds.index - 1 if self.rounds.due(self.t) and self.rounds.index > 0 else None
         with self.world.monitoring():  # forming and scoring the delivered models: not training traffic
             local_test, community_models, files = Delivery(
                 cfg, self.world, self.timer, replica, self.mode, self.mixer.strategy).deliver(mean, self.t, at_round)
