@@ -249,9 +249,9 @@ class ConsensusConfig(_Section):
     k: Optional[int] = Field(None, ge=1, description="modes communities/auto: cut that round's tree into k "
                              "communities (scipy fcluster maxclust) instead of the round's own cut (null: its cut)")
     auto_harm: float = Field(
-        0.1, gt=0, description="mode auto: merges across the communities hurt when they raise the members' local "
-        "validation loss by more than this share of its value before the merge, beyond what merges inside a "
-        "community do")
+        0.05, gt=0, description="mode auto: merges across the communities hurt when they raise the members' local "
+        "validation loss by more than this share of its value before the merge (beyond what merges inside a "
+        "community cost, when they raise it too)")
     auto_min_merges: int = Field(8, ge=1, description="mode auto: cross-community merge sides scored (each "
                                  "exchange has two) needed before deciding")
     finetune_units: int = Field(0, ge=0, description="after the run, each rank fine-tunes the consensus model "

@@ -116,9 +116,13 @@ def test_cross_merges_that_hurt_freeze_and_ones_that_do_not_anneal():
     assert conflict.decide(_rows(cross=[(0.2, 1.0)] * 3), 0.5, 4).decision == "undecided"  # too few yet
     helps = _rows(cross=[(0.2, 0.1)] * 6, intra=[(0.2, 0.15)] * 6)  # label skew: merging across helps
     assert conflict.decide(helps, 0.5, 4).decision == "undecided"
-    # the intra merges are the control: when every merge costs as much, crossing is no worse
+    # the intra merges are the control for what merging costs: when every merge costs as much, crossing is no worse
     same = _rows(cross=[(0.2, 0.5)] * 6, intra=[(0.2, 0.5)] * 6)
     assert conflict.decide(same, 0.5, 4).harm == pytest.approx(0.0)
+    # ... but only a cost: cross merges that help, if less than intra merges do (label skew), are no harm
+    skew = _rows(cross=[(0.2, 0.14)] * 6, intra=[(0.2, 0.1)] * 6)
+    v = conflict.decide(skew, 0.05, 4)
+    assert v.decision == "undecided" and v.harm == pytest.approx(-0.3)
     nothing = conflict.decide(np.stack([conflict.empty()] * 3), 0.5, 4)
     assert nothing.decision == "undecided" and nothing.harm is None and nothing.to_dict()["cross_rise"] is None
 
