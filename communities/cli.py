@@ -99,14 +99,16 @@ def cmd_run(args) -> int:
         raise collective(ConfigError(err))
     cfg = from_json(world.bcast_text(text))
     resume = True if args.resume else ("auto" if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else False)
+    code = 0
     try:
         loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress, resume=resume)
     except Preempted:
-        return EXIT_PREEMPTED
+        code = EXIT_PREEMPTED
     except RunComplete as exc:
         if world.rank == 0:
             print(f"communities: {exc}")
-    return 0
+    world.close()  # every rank ends here together (a stop and a complete run are collective decisions)
+    return code
 
 
 def main(argv: Optional[List[str]] = None) -> int:

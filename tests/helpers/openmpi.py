@@ -9,14 +9,13 @@ set, where they fail: CI must really run them.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 from typing import Sequence
 
 import pytest
 
-from .mpi import ROOT, mpi_env
+from .mpi import ROOT, run_command
 from .slurm_cluster import in_ci
 
 OMPI_VENV = Path(os.environ.get("COMMUNITIES_OMPI_VENV", ROOT / ".venv-ompi"))
@@ -50,21 +49,8 @@ def ompi_command(n: int, args: Sequence[str], ulfm: bool = False) -> list:
 def run_ompi(n: int, args: Sequence[str], timeout: float = 240, ulfm: bool = False, check: bool = True,
              cwd=None) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on n ranks under Open MPI; kill the process group on timeout so nothing hangs."""
-    cmd = ompi_command(n, args, ulfm)
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"Open MPI mpiexec -n {n} {args} timed out after {timeout}s\n{out[-3000:]}\n"
-                             f"{err[-3000:]}") from None
-    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"Open MPI mpiexec -n {n} {args} exited {proc.returncode}\n{out[-4000:]}\n"
-                             f"{err[-4000:]}")
-    return res
+    return run_command(ompi_command(n, args, ulfm), timeout, f"Open MPI mpiexec -n {n} {args}", cwd=cwd,
+                       check=check)
 
 
 def run_engine_ompi(n: int, config, tmp_path: Path, *overrides, timeout: float = 300, ulfm: bool = False,
