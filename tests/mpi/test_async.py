@@ -9,24 +9,36 @@ import pytest
 import torch
 
 from communities.results import read_jsonl
-from tests.helpers.mpi import initial_mean_and_final, run_engine
+from tests.conftest import TINY
+from tests.helpers.mpi import Job, initial_mean_and_final, run_batch, run_engine
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 ASYNC = ["protocol=async", "comm.timeout=20"]
+LR0 = ["strategy=gossip", "train.lr=0", "train.momentum=0", "model.init=per_rank", "merge.lam=1", "train.budget=60"]
+SLOW = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64", "train.wall_budget=6",
+        "train.budget=100000", "strategy=gossip", "data.partition=iid"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's 4-rank runs that need no signal, in one batch: {name: run directory}."""
+    root = tmp_path_factory.mktemp("async")
+    config = root / "tiny.yaml"
+    config.write_text(TINY)
+    jobs = {"lr0": [*ASYNC, *LR0], "views": [*ASYNC, "train.budget=40"], "slow_vc": SLOW, "slow_async": [*SLOW, *ASYNC]}
+    run_batch(4, {name: Job(config, root / name, overrides) for name, overrides in jobs.items()}, timeout=840)
+    return {name: root / name / "tiny" for name in jobs} | {"config": config}
 
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_lr0_async_gossip_conserves_the_mean_and_reaches_it(tmp_path, tiny_config):
+def test_lr0_async_gossip_conserves_the_mean_and_reaches_it(runs):
     """Every exchange is symmetric: with lr = 0 the mean is conserved, and gossip drives every rank to it."""
-    n = 4
-    run_engine(n, tiny_config, tmp_path, *ASYNC, "strategy=gossip", "train.lr=0", "train.momentum=0",
-               "model.init=per_rank", "merge.lam=1", "train.budget=60")
-    mean0, final_mean, spread0 = initial_mean_and_final(tiny_config, n, tmp_path / "tiny")
-    s = summary(tmp_path / "tiny")
+    mean0, final_mean, spread0 = initial_mean_and_final(runs["config"], 4, runs["lr0"])
+    s = summary(runs["lr0"])
     assert s["protocol"] == "async" and s["merges"] > 0
     assert torch.allclose(final_mean, mean0, atol=1e-5)
     assert s["consensus_distance"] < 1e-2 * spread0
@@ -44,11 +56,10 @@ def test_sixteen_ranks_with_jitter_and_crossed_requests_finish_and_conserve_the_
     assert events.count("merge") > 2 * n and "busy" in events  # requests met ranks waiting on their own
 
 
-def test_community_views_are_recorded_and_tables_fill_by_gossip(tmp_path, tiny_config):
+def test_community_views_are_recorded_and_tables_fill_by_gossip(runs):
     """Signatures spread by gossip: every rank's table holds every rank's row soon after the first signing."""
     n = 4
-    run_engine(n, tiny_config, tmp_path, *ASYNC, "train.budget=40")
-    run = tmp_path / "tiny"
+    run = runs["views"]
     s = summary(run)
     views = read_jsonl(run / "views.jsonl")
     first = {r: min(v["t"] for v in views if v["rank"] == r) for r in range(n)}
@@ -101,13 +112,9 @@ def test_a_frozen_rank_is_skipped_within_the_timeout_and_named(tmp_path, tiny_co
     assert max(s["time_split_per_rank"]["wall"]) < 10 + 3.5 * timeout + 30
 
 
-def test_async_stragglers_do_not_hold_back_the_fast_ranks(tmp_path, tiny_config):
+def test_async_stragglers_do_not_hold_back_the_fast_ranks(runs):
     """One rank 4x slower: under async the others train on (more units, less idle), unlike the virtual clock."""
-    slow = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64", "train.wall_budget=6",
-            "train.budget=100000", "strategy=gossip", "data.partition=iid"]
-    run_engine(4, tiny_config, tmp_path / "vc", *slow)
-    run_engine(4, tiny_config, tmp_path / "async", *slow, *ASYNC)
-    vc, asy = summary(tmp_path / "vc" / "tiny"), summary(tmp_path / "async" / "tiny")
+    vc, asy = summary(runs["slow_vc"]), summary(runs["slow_async"])
     fast = [1, 2, 3]
     assert min(asy["units_per_rank"][r] for r in fast) >= 2 * asy["units_per_rank"][0]
     idle = asy["time_split_per_rank"]["idle"]
