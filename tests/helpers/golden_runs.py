@@ -21,8 +21,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,8 @@ from pathlib import Path
 from typing import List
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script (make golden): tests.helpers must be importable
 QUICK = "configs/quickstart.yaml"
 SHORT = ["train.budget=30", "consensus.stop=false"]
 
@@ -112,11 +112,6 @@ def fingerprint() -> str:
     return f"{cpu}|{platform.machine()}|torch {torch.__version__}|numpy {numpy.__version__}"
 
 
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
 def weights_sha(path: Path) -> str:
     import torch
 
@@ -149,24 +144,13 @@ def record_of(run_dir: Path) -> dict:
 
 
 def run_one(name: str, root: Path, timeout: float = 900) -> dict:
-    """Run golden entry ``name`` under ``root`` as its own mpiexec job; returns its record."""
+    """Run golden entry ``name`` under ``root`` as its own mpiexec job, on the pinned kernels; returns its record."""
+    from tests.helpers.mpi import mpi_command, run_command
+
     n, config, _ = RUNS[name]
-    cmd = [mpiexec(), "-n", str(n)]
-    if "Open MPI" in subprocess.run([mpiexec(), "--version"], capture_output=True, text=True).stdout:
-        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    cmd += [sys.executable, "-m", "communities", "run", str(ROOT / config), f"output.root={root}",
-            "--no-progress", "--overwrite", *job_overrides(name)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **KERNEL_ENV)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise RuntimeError(f"golden run {name} timed out after {timeout}s\n{err[-3000:]}") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"golden run {name} exited {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}")
+    args = ["-m", "communities", "run", ROOT / config, f"output.root={root}", "--no-progress", "--overwrite",
+            *job_overrides(name)]
+    run_command(mpi_command(n, args), timeout, f"golden run {name}", env=KERNEL_ENV)
     return record_of(root / name)
 
 

@@ -130,6 +130,31 @@ def run_batch(n: int, jobs: Dict[str, Job], timeout: float = 600, check: bool = 
         return results
 
 
+class TinyRuns:
+    """A batch of runs of the tiny config (tests/conftest.py): ``runs[name]`` is a job's run directory,
+    ``runs.result[name]`` its output and exit code, ``runs.config`` the config file they ran."""
+
+    def __init__(self, root: Path, config: Path, results: Dict[str, subprocess.CompletedProcess]):
+        self.root, self.config, self.result = root, config, results
+
+    def __getitem__(self, name: str) -> Path:
+        return self.root / name / "tiny"
+
+
+def tiny_batch(tmp_path_factory, label: str, n: int, jobs: Dict[str, Sequence[str]], timeout: float = 840,
+               check: bool = True) -> TinyRuns:
+    """Run ``{name: overrides}`` of the tiny config on n ranks in one batch (``run_batch``), each under its own
+    output root; for a module-scoped fixture."""
+    from tests.conftest import TINY
+
+    root = tmp_path_factory.mktemp(label)
+    config = root / "tiny.yaml"
+    config.write_text(TINY)
+    results = run_batch(n, {name: Job(config, root / name, overrides) for name, overrides in jobs.items()},
+                        timeout=timeout, check=check)
+    return TinyRuns(root, config, results)
+
+
 def initial_mean_and_final(config_path: Path, n: int, run_dir: Path):
     """(mean of the n per-rank initial weights, the run's consensus parameters, mean spread), float64."""
     import torch

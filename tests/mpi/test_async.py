@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from communities.results import read_jsonl
-from tests.conftest import TINY
-from tests.helpers.mpi import Job, initial_mean_and_final, run_batch, run_engine
+from tests.helpers.mpi import initial_mean_and_final, run_engine, tiny_batch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -22,13 +21,9 @@ SLOW = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The module's 4-rank runs that need no signal, in one batch: {name: run directory}."""
-    root = tmp_path_factory.mktemp("async")
-    config = root / "tiny.yaml"
-    config.write_text(TINY)
-    jobs = {"lr0": [*ASYNC, *LR0], "views": [*ASYNC, "train.budget=40"], "slow_vc": SLOW, "slow_async": [*SLOW, *ASYNC]}
-    run_batch(4, {name: Job(config, root / name, overrides) for name, overrides in jobs.items()}, timeout=840)
-    return {name: root / name / "tiny" for name in jobs} | {"config": config}
+    """The module's 4-rank runs that need no signal, in one batch."""
+    return tiny_batch(tmp_path_factory, "async", 4, {"lr0": [*ASYNC, *LR0], "views": [*ASYNC, "train.budget=40"],
+                                                    "slow_vc": SLOW, "slow_async": [*SLOW, *ASYNC]})
 
 
 def summary(run_dir: Path) -> dict:
@@ -37,7 +32,7 @@ def summary(run_dir: Path) -> dict:
 
 def test_lr0_async_gossip_conserves_the_mean_and_reaches_it(runs):
     """Every exchange is symmetric: with lr = 0 the mean is conserved, and gossip drives every rank to it."""
-    mean0, final_mean, spread0 = initial_mean_and_final(runs["config"], 4, runs["lr0"])
+    mean0, final_mean, spread0 = initial_mean_and_final(runs.config, 4, runs["lr0"])
     s = summary(runs["lr0"])
     assert s["protocol"] == "async" and s["merges"] > 0
     assert torch.allclose(final_mean, mean0, atol=1e-5)

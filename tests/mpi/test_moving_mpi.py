@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from communities.engine import checkpoint
-from tests.conftest import TINY
-from tests.helpers.mpi import Job, finish, initial_mean_and_final, run_batch, run_engine, run_mpi, start, wait_for
+from tests.helpers.mpi import finish, initial_mean_and_final, run_engine, run_mpi, start, tiny_batch, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -23,15 +22,11 @@ SWAP_LR0 = ["train.lr=0", "train.momentum=0", "model.init=per_rank", "merge.rule
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The module's uninterrupted 4-rank runs, in one batch: {name: run directory}."""
-    root = tmp_path_factory.mktemp("moving")
-    config = root / "tiny.yaml"
-    config.write_text(TINY)
-    jobs = {"moves": [*MOVING, "signature.kind=cka", "comm.check_hashes=true"],
-            "keep": [*MOVING, "examples.handover=false", "examples.retire=false"],
-            "reference": RESUMED, "swap_lr0": SWAP_LR0}
-    run_batch(4, {name: Job(config, root / name, overrides) for name, overrides in jobs.items()}, timeout=840)
-    return {name: root / name / "tiny" for name in jobs} | {"config": config}
+    """The module's uninterrupted 4-rank runs, in one batch."""
+    return tiny_batch(tmp_path_factory, "moving", 4, {
+        "moves": [*MOVING, "signature.kind=cka", "comm.check_hashes=true"],
+        "keep": [*MOVING, "examples.handover=false", "examples.retire=false"],
+        "reference": RESUMED, "swap_lr0": SWAP_LR0})
 
 
 def final_tables(run: Path, n: int):
@@ -106,7 +101,7 @@ def test_resume_with_moving_data_is_bitwise(tmp_path, tiny_config, runs):
 
 def test_swap_with_least_recent_policy_conserves_the_mean(runs):
     """Swaps permute whole models: with no training the mean over ranks never moves."""
-    mean0, final_mean, _ = initial_mean_and_final(runs["config"], 4, runs["swap_lr0"])
+    mean0, final_mean, _ = initial_mean_and_final(runs.config, 4, runs["swap_lr0"])
     assert torch.allclose(final_mean, mean0, atol=1e-6)
     merges = [json.loads(x) for x in (runs["swap_lr0"] / "merges.jsonl").read_text().splitlines()]
     assert merges and all(m["a"] == 1.0 for m in merges if m["event"] == "merge")

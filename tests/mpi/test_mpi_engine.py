@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from communities.results import open_run
-from tests.conftest import TINY
-from tests.helpers.mpi import Job, initial_mean_and_final, run_batch, run_engine
+from tests.helpers.mpi import initial_mean_and_final, run_engine, tiny_batch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,25 +32,11 @@ GLOBAL = {"local_sgd": ["merge.period=3"],
 UPDATE_STOP = ["consensus.stop=true", "consensus.tol=0.5", "consensus.patience=1", "train.budget=60"]
 
 
-class Runs:
-    """The batch's runs: ``runs[name]`` is the run directory, ``runs.result[name]`` its job's output."""
-
-    def __init__(self, root, results):
-        self.root, self.result = root, results
-
-    def __getitem__(self, name):
-        return self.root / name / "tiny"
-
-
 def batch(tmp_path_factory, n, jobs):
-    root = tmp_path_factory.mktemp(f"engine{n}")
-    config = root / "tiny.yaml"
-    config.write_text(TINY)
-    results = run_batch(n, {name: Job(config, root / name, overrides) for name, overrides in jobs.items()},
-                        timeout=840, check=False)
-    for name, res in results.items():
+    runs = tiny_batch(tmp_path_factory, f"engine{n}", n, jobs, check=False)
+    for name, res in runs.result.items():
         assert name == "config_error" or res.returncode == 0, (name, res.stdout[-2000:], res.stderr[-3000:])
-    return Runs(root, results)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +103,7 @@ def test_same_seed_gives_bitwise_identical_consensus(four):
 
 def test_lr0_gossip_reaches_the_initial_mean(four):
     """With lr = 0 and different initial weights, symmetric merges drive all ranks to the initial mean."""
-    mean0, final_mean, spread0 = initial_mean_and_final(four.root / "tiny.yaml", 4, four["lr0"])
+    mean0, final_mean, spread0 = initial_mean_and_final(four.config, 4, four["lr0"])
     s = json.loads((four["lr0"] / "summary.json").read_text())
     assert torch.allclose(final_mean, mean0, atol=1e-5)  # the mean is conserved
     assert s["consensus_distance"] < 1e-3 * spread0  # and every rank is at it

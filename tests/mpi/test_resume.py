@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY
-from tests.helpers.mpi import Job, finish, run_batch, run_engine, start, wait_for
+from tests.helpers.mpi import finish, run_engine, start, tiny_batch, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -18,14 +17,11 @@ SHORT = ["train.budget=20", "checkpoint.every=10", "checkpoint.at_end=false"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The module's uninterrupted runs, one batch per world size: {name: output root} (run name: tiny)."""
-    root = tmp_path_factory.mktemp("resume")
-    config = root / "tiny.yaml"
-    config.write_text(TINY)
-    for n, jobs in ((4, {"reference": LONG, "refuse": SHORT}),
-                    (2, {"complete": ["train.budget=10"], "damaged": SHORT})):
-        run_batch(n, {name: Job(config, root / name, overrides) for name, overrides in jobs.items()}, timeout=840)
-    return root
+    """The module's uninterrupted runs, one batch per world size."""
+    four = tiny_batch(tmp_path_factory, "resume4", 4, {"reference": LONG, "refuse": SHORT})
+    two = tiny_batch(tmp_path_factory, "resume2", 2, {"complete": ["train.budget=10"], "damaged": SHORT})
+    return {name: batch[name].parent for batch, names in ((four, ("reference", "refuse")),
+                                                           (two, ("complete", "damaged"))) for name in names}
 
 
 def consensus(run_dir: Path) -> dict:
@@ -43,7 +39,7 @@ def rank_pids(marker: str):
 
 @pytest.mark.parametrize("how", ["signal", "stopfile"])
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_config, runs, how):
-    ref, cut = runs / "reference", tmp_path / "cut"
+    ref, cut = runs["reference"], tmp_path / "cut"
     proc = start(4, tiny_config, cut, *LONG)
     wait_for(cut / "tiny" / "checkpoints" / "latest", proc)
     if how == "signal":
@@ -80,7 +76,7 @@ def as_if_interrupted(run_dir: Path) -> None:
 
 
 def test_resume_refuses_another_world_size_or_config(tiny_config, runs):
-    tmp_path = runs / "refuse"
+    tmp_path = runs["refuse"]
     as_if_interrupted(tmp_path / "tiny")
     res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
     assert res.returncode == 2 and "written by 4 ranks, this job has 2" in res.stderr
@@ -89,7 +85,7 @@ def test_resume_refuses_another_world_size_or_config(tiny_config, runs):
 
 
 def test_resume_of_a_complete_run_does_nothing(tiny_config, runs):
-    tmp_path = runs / "complete"
+    tmp_path = runs["complete"]
     before = (tmp_path / "tiny" / "summary.json").read_bytes()
     res = run_engine(2, tiny_config, tmp_path, "train.budget=10", extra=["--resume"])
     assert "already complete" in res.stdout
@@ -97,7 +93,7 @@ def test_resume_of_a_complete_run_does_nothing(tiny_config, runs):
 
 
 def test_damaged_checkpoint_is_named(tiny_config, runs):
-    tmp_path = runs / "damaged"
+    tmp_path = runs["damaged"]
     as_if_interrupted(tmp_path / "tiny")
     latest = (tmp_path / "tiny" / "checkpoints" / "latest").read_text().strip()
     victim = tmp_path / "tiny" / "checkpoints" / latest / "rank00001.pt"

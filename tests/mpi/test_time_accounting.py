@@ -11,8 +11,7 @@ import json
 import pytest
 
 from communities.results import TIME_CATEGORIES
-from tests.conftest import TINY
-from tests.helpers.mpi import Job, run_batch
+from tests.helpers.mpi import tiny_batch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -23,15 +22,12 @@ STRATEGIES = ["community", "gossip", "ring", "isolated", "local_sgd", "diloco", 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One run per strategy, in one batch (one start-up for the seven)."""
-    root = tmp_path_factory.mktemp("split")
-    (root / "tiny.yaml").write_text(TINY)
-    run_batch(4, {s: Job(root / "tiny.yaml", root / s, [f"strategy={s}", *SLOW]) for s in STRATEGIES}, timeout=840)
-    return root
+    return tiny_batch(tmp_path_factory, "split", 4, {s: [f"strategy={s}", *SLOW] for s in STRATEGIES})
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_split_partitions_the_wall_and_waiting_for_a_slow_rank_is_idle(runs, strategy):
-    s = json.loads((runs / strategy / "tiny" / "summary.json").read_text())
+    s = json.loads((runs[strategy] / "summary.json").read_text())
     per = s["time_split_per_rank"]
     assert set(per) == {"wall", *TIME_CATEGORIES}
     for r in range(4):
