@@ -321,4 +321,5 @@ class RunDirectory:
 def describe_partition(replica) -> dict:
     """The ``partition.json`` record of a replica's dataset and shards."""
     ds = replica.dataset
-    return data.describe(replica.shards, ds.y_train, replica.cfg.data.partition, len(ds.y_test))
+    kind = data.SHARDED if ds.sharded else replica.cfg.data.partition
+    return data.describe(replica.shards, ds.y_train, kind, len(ds.y_test), replica.label_counts)
