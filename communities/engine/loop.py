@@ -30,7 +30,7 @@ from ..results import Summary, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import World
-from . import protocols
+from . import protocols, tensorboard_log
 from .checkpoint import Checkpointer
 from .consensus import Decision
 from .faults import make_faults
@@ -47,7 +47,7 @@ class Engine:
     def __init__(self, cfg, world: World, run_dir: Path, overwrite: bool = False,
                  argv: Optional[List[str]] = None, progress: bool = True, resume=False):
         self.cfg, self.world = cfg, world
-        collective_check(world, lambda: cfg.check_world(world.size))
+        collective_check(world, lambda: (cfg.check_world(world.size), tensorboard_log.check_available(cfg)))
         world.set_timeout(cfg.comm.timeout)
         torch.set_num_threads(cfg.threads or _env_threads())
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -77,6 +77,8 @@ class Engine:
             raise
         self.run_dir.resume_data = None
         self.loaded_t = self.t if resumed is not None else -1
+        if world.rank == 0 and cfg.logging.tensorboard:
+            self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
 
     # ------------------------------------------------------------------ the loop
 

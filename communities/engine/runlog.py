@@ -36,6 +36,7 @@ from ..runtime.comm import World
 from .consensus import Decision
 from .example_tracker import ExampleTracker
 from .rounds import RoundResult
+from .tensorboard_log import TensorBoardLog
 from .timer import Timer
 
 # What each rank reports at the end, gathered as one float64 row per rank
@@ -54,6 +55,7 @@ class RunLog:
         self.merge_rows: List[MergeRow] = []
         self.merges_logged = 0  # rank 0: pairwise merges written (counted once, at the initiator)
         self.products: dict = {}  # rank 0: manifest entries of the files written at the end
+        self.board: Optional[TensorBoardLog] = None  # rank 0 with logging.tensorboard: the same rows as scalars
 
     def unit(self, row: MetricRow) -> None:
         self.metric_rows.append(row)
@@ -70,6 +72,8 @@ class RunLog:
     def consensus_rows(self, rows: List[dict]) -> None:
         if rows and self.writer is not None:
             self.writer.append_jsonl("consensus.jsonl", rows)
+            if self.board is not None:
+                self.board.consensus(rows)
 
     def round(self, rnd: Optional[RoundResult], law: Optional[Law], decision: Optional[Decision],
               agreement: bytes, tracker: Optional[ExampleTracker]) -> None:
@@ -92,6 +96,8 @@ class RunLog:
                 "outliers": np.flatnonzero(rnd.outliers).tolist() if self.cfg.robust.enabled else None,
             }
             self.writer.write_round(rnd.index, rnd.signatures.astype(np.float32), com.Z, com.labels, info)
+            if self.board is not None:
+                self.board.round(info, com.Z)
         if tracker is not None and self.collective:
             self._examples(rnd.index, rnd.t, tracker)
 
@@ -111,6 +117,8 @@ class RunLog:
         rows = [MetricRow.from_row(m).to_json(r) for r, block in enumerate(metrics) for m in block]
         rows.sort(key=lambda d: (d["t"], d["rank"]))
         self.writer.append_jsonl("metrics.jsonl", rows)
+        if self.board is not None:
+            self.board.metrics(rows)
         events = [MergeRow.from_row(m) for block in merges for m in block]
         mrows = [e.to_json(self.cfg.merge.rule if e.event == Event.MERGE else self.cfg.strategy) for e in events]
         mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
@@ -182,6 +190,8 @@ class RunLog:
             protocol=self.cfg.protocol,
             view_agreement=self._views(view_rows) if view_rows is not None else None)
         self.writer.write_json("summary.json", summary.to_dict())
+        if self.board is not None:
+            self.board.finish(summary)
         return summary
 
     def _examples_summary(self, ex_rows, hard_rows) -> dict:

@@ -35,9 +35,9 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
         if not ds.sharded and first[0] != second[0]:
             raise DataError(f"{where}: two calls of {fn}() gave different training sets; is it deterministic? It is "
                             "called with seed= (use it for every random choice)")
-    shape = "x".join(str(s) for s in ds.input_shape)
-    lines = [f"data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test examples of shape ({shape}), "
-             f"{ds.n_classes} classes" + (f" (rank 0's shard of {n}: a sharded reader)" if ds.sharded else "")]
+    lines = [f"data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test examples of shape "
+             f"{ds.input_shape}, {ds.n_classes} classes"
+             + (f" (rank 0's shard of {n}: a sharded reader)" if ds.sharded else "")]
     if not ds.sharded and world_size is not None:
         shards = data.partition(ds.y_train, world_size, cfg.data.partition, cfg.seed, cfg.data.alpha,
                                 cfg.data.groups, cfg.data.purity)
