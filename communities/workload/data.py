@@ -139,7 +139,10 @@ def load_user(spec: str, seed: int = 0, root: Optional[str] = None, rank: int = 
         declared = {k: _int_vector(spec, k, out[k]) for k in GROUP_KEYS if k in out}
         out = tuple(out[k] for k in names)
     if isinstance(out, (tuple, list)) and len(out) == 2:
-        out = _read_set(spec, "the training set", out[0]) + _read_set(spec, "the test set", out[1])
+        sets = (("the training set", out[0]), ("the test set", out[1]))
+        for which, dataset in sets:
+            _check_set(spec, which, dataset)
+        out = sum((_read_set(spec, which, dataset) for which, dataset in sets), ())
     if not isinstance(out, (tuple, list)) or len(out) != 4:
         raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), (train_set, "
                         f"test_set) or a dict with those keys, got {_kind(out)}")
@@ -171,14 +174,18 @@ def _kind(value) -> str:
     return f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else type(value).__name__
 
 
-def _read_set(spec: str, which: str, dataset) -> Tuple[np.ndarray, np.ndarray]:
-    """A torch ``Dataset`` of ``(x, y)`` pairs read once into two arrays (features, labels)."""
-    from torch.utils.data import DataLoader
+def _check_set(spec: str, which: str, dataset) -> None:
     from torch.utils.data import Dataset as TorchDataset
 
     if not isinstance(dataset, TorchDataset):
         raise DataError(f"data.dataset={spec!r} returned two values, but {which} is {_kind(dataset)}, not a torch "
                         "Dataset; return (x_train, y_train, x_test, y_test) or (train_set, test_set)")
+
+
+def _read_set(spec: str, which: str, dataset) -> Tuple[np.ndarray, np.ndarray]:
+    """A torch ``Dataset`` of ``(x, y)`` pairs read once into two arrays (features, labels)."""
+    from torch.utils.data import DataLoader
+
     xs, ys = [], []
     try:
         for batch in DataLoader(dataset, batch_size=1024, shuffle=False):

@@ -27,14 +27,13 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
     if plugins.is_plugin(cfg.data.dataset):
         other = data.load(cfg.data, cfg.seed, min(1, n - 1), n)
         first, second = data.fingerprint(ds), data.fingerprint(other)
-        fn = cfg.data.dataset.partition(":")[2]
-        if first[1] != second[1]:
-            raise DataError(f"{where}: two calls of {fn}() gave different test splits; is it deterministic? It is "
-                            "called with seed= (use it for every random choice); every rank must get the same test "
-                            "split")
-        if not ds.sharded and first[0] != second[0]:
-            raise DataError(f"{where}: two calls of {fn}() gave different training sets; is it deterministic? It is "
-                            "called with seed= (use it for every random choice)")
+        differ = [what for what, a, b, checked in (("training sets", first[0], second[0], not ds.sharded),
+                                                   ("test splits", first[1], second[1], True)) if checked and a != b]
+        if differ:
+            fn = cfg.data.dataset.partition(":")[2]
+            raise DataError(f"{where}: two calls of {fn}() gave different {' and '.join(differ)}; is it "
+                            "deterministic? It is called with seed= (use it for every random choice): every rank "
+                            "must get the same " + ("test split" if ds.sharded else "data"))
     lines = [f"data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test examples of shape "
              f"{ds.input_shape}, {ds.n_classes} classes"
              + (f" (rank 0's shard of {n}: a sharded reader)" if ds.sharded else "")]

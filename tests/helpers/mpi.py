@@ -30,12 +30,14 @@ def mpi_env() -> dict:
     return env
 
 
-def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` on n ranks; kill the whole process group on timeout so nothing hangs."""
+def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True,
+            program=None) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` (or ``PROGRAM ARGS``) on n ranks; kill the whole process group on timeout so nothing
+    hangs."""
     cmd = [mpiexec(), "-n", str(n)]
     if "Open MPI" in _mpi_flavour():
         cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    cmd += [sys.executable] + [str(a) for a in args]
+    cmd += [str(program or sys.executable)] + [str(a) for a in args]
     proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

@@ -5,6 +5,7 @@ test instead of stalling CI.
 """
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,15 +130,40 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path, tiny_config):
 
 
 def test_quickstart_meets_its_promises(tmp_path):
-    """The README's quickstart claims: consensus >= 0.95, first-round ARI >= 0.9, one community, dispersion < tol."""
-    res = run_engine(8, "configs/quickstart.yaml", tmp_path, timeout=600)
+    """The README's quickstart claims: consensus >= 0.95, first-round ARI >= 0.9, one community, dispersion < tol;
+    with logging.tensorboard its event file holds the scalars the README lists (read back with TensorBoard's reader)."""
+    res = run_engine(8, "configs/quickstart.yaml", tmp_path, "logging.tensorboard=true", timeout=600)
     s = json.loads((tmp_path / "quickstart" / "summary.json").read_text())
+    check_tensorboard(tmp_path / "quickstart", s)
     # the printed summary ends with the wall split, a partition of the loop's time (README, "What a run looks like")
     assert re.search(r"wall time +[\d.]+s: train [\d.]+s \(\d+%\) / exchange .* / other [\d.]+s \(\d+%\)", res.stdout)
     assert s["consensus_test_acc"] >= 0.95
     assert s["first_round_ari"] >= 0.9
     assert s["communities_per_round"][-1] == 1
     assert s["final_dispersion"] < config.load("configs/quickstart.yaml").consensus.tol
+
+
+def check_tensorboard(run: Path, summary: dict) -> None:
+    """The quickstart's event file, as TensorBoard reads it: every listed scalar, at the units it belongs to."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    rounds = [json.loads(p.read_text()) for p in sorted((run / "rounds").glob("round_*/round.json"))]
+    assert [int(v) for v in scalars["communities/count"].values()] == summary["communities_per_round"]
+    assert sorted(scalars["communities/p_cross"]) == [r["t"] for r in rounds]
+    assert scalars["communities/dispersion"][summary["units"]] == pytest.approx(summary["final_dispersion"])
+    consensus = [json.loads(line) for line in (run / "consensus.jsonl").read_text().splitlines()]
+    assert scalars["accuracy/consensus_test"] == pytest.approx({c["t"]: c["test_acc"] for c in consensus})
+    assert "loss/consensus_test" in scalars and "loss/rank_train_mean" in scalars
+    t_end, evaluated = summary["units"], max(scalars["accuracy/rank_test_max"])  # the ranks' last evaluation
+    assert scalars["accuracy/rank_test_max"][evaluated] == pytest.approx(summary["best_rank_acc"])
+    assert scalars["final/consensus_test_acc"][t_end] == pytest.approx(summary["consensus_test_acc"])
+    assert scalars["bytes/sent_per_rank_mean_mb"][t_end] > 0
+    for category, seconds in summary["time_split"].items():  # the wall split
+        assert scalars[f"time/{category}_s"][t_end] == pytest.approx(seconds)
+    assert len(acc.Images("dendrogram")) == summary["rounds"]  # one dendrogram per round
 
 
 def test_update_tol_gates_the_consensus_stop(tmp_path, tiny_config):
@@ -173,7 +199,7 @@ def test_global_strategies(tmp_path, tiny_config, strategy, extra):
 
 def test_a_user_dataset_declares_groups_and_first_round_ari_is_reported(tmp_path, tiny_config):
     run_engine(4, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:declared_rank_groups",
-               "data.partition=iid", "train.budget=10")
+               "data.partition=iid", "train.budget=10", "name=tiny")
     run = tmp_path / "tiny"
     assert json.loads((run / "partition.json").read_text())["groups"] == [0, 0, 1, 1]
     s = json.loads((run / "summary.json").read_text())
@@ -181,9 +207,10 @@ def test_a_user_dataset_declares_groups_and_first_round_ari_is_reported(tmp_path
     assert s["consensus_test_split"] == "shared"
 
 
-def test_test_splits_that_differ_by_rank_are_said(tmp_path, tiny_config):
+def test_test_splits_that_differ_by_rank_are_said_under_on_mismatch_warn(tmp_path, tiny_config):
+    """data.on_mismatch=warn trains on data that differ by rank (the default refuses: test_plugins_mpi.py)."""
     res = run_engine(3, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:not_deterministic",
-                     "data.partition=iid", "train.budget=5")
+                     "data.partition=iid", "train.budget=5", "name=tiny", "data.on_mismatch=warn")
     assert "the ranks' test splits differ (ranks [1, 2] from rank 0's)" in res.stdout
     s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert s["consensus_test_split"].startswith("rank 0's (the test splits differ across ranks: 2 of 3")
