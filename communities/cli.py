@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import re
 import sys
@@ -22,6 +23,8 @@ from typing import List, Optional
 
 from . import __version__
 from .errors import EXIT_PREEMPTED, EXIT_USER, UserError, is_collective
+
+log = logging.getLogger("communities")
 
 # Commands with their own argument parsers (they need neither MPI nor, for inspect, torch).
 DELEGATED = {
@@ -39,6 +42,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing results/<name>/")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("--no-progress", action="store_true", help="no progress output on rank 0")
+    _verbosity(p)
     p.add_argument("--resume", action="store_true",
                    help="continue results/<name>/ from its last complete checkpoint (automatic when "
                         "SLURM_RESTART_COUNT > 0)")
@@ -54,6 +58,36 @@ def _validate_parser(sub) -> None:
     p.add_argument("--world-size", type=int, default=None, help="also check against this many ranks")
     p.add_argument("--no-dry-run", action="store_true", help="check the config alone: load no data, build no model")
     p.add_argument("--debug", action="store_true")
+    _verbosity(p)
+
+
+def _verbosity(p) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true", help="print warnings and errors only")
+    group.add_argument("-v", "--verbose", action="store_true", help="also print debugging detail (data, shards, "
+                       "every signature round)")
+
+
+class ConsoleHandler(logging.Handler):
+    """What the commands print: INFO and below to stdout, WARNING and above to stderr, the message as it is.
+
+    The streams are looked up at each record, so a redirected ``sys.stdout`` (pytest's capsys) is followed.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        try:
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def configure_logging(quiet: bool = False, verbose: bool = False) -> None:
+    """The ``communities`` logger every module logs through: --quiet shows warnings and errors, --verbose debug."""
+    log.handlers[:] = [ConsoleHandler()]
+    log.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False
 
 
 def plain_text(doc: str) -> str:
@@ -117,7 +151,8 @@ def cmd_validate(args) -> int:
 
         hook_search_path(args.config)
         for line in dry_run(cfg, args.world_size or cfg.world_size):
-            print(f"communities: {line}", file=sys.stderr)
+            if not args.quiet:  # stderr: stdout is the resolved config
+                print(f"communities: {line}", file=sys.stderr)
     print(cfg.to_yaml(), end="")
     return 0
 
@@ -149,12 +184,13 @@ def cmd_run(args) -> int:
     hook_search_path(args.config)  # on every rank: each imports the hooks itself
     resume = True if args.resume else ("auto" if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else False)
     try:
-        loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress, resume=resume)
+        loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not (args.no_progress or args.quiet),
+                 resume=resume)
     except Preempted:
         return EXIT_PREEMPTED
     except RunComplete as exc:
         if world.rank == 0:
-            print(f"communities: {exc}")
+            log.info(f"communities: {exc}")
     return 0
 
 
@@ -174,6 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    configure_logging(args.quiet, args.verbose)
     try:
         if args.command == "validate":
             return cmd_validate(args)
@@ -184,7 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if getattr(args, "debug", False):
             traceback.print_exc()
         if not _is_mpi_worker():
-            print(f"communities: error: {exc}", file=sys.stderr)
+            log.error(f"communities: error: {exc}")
         return EXIT_USER
     except KeyboardInterrupt:
         return 130

@@ -16,6 +16,7 @@ are computed by every rank from identical inputs.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
@@ -39,6 +40,8 @@ from .replica import Replica
 from .run_dir import RunDirectory, describe_partition, now
 from .runlog import RunLog, print_summary
 from .timer import Timer
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -225,7 +228,7 @@ def run(cfg, world: World, overwrite: bool = False, argv=None, progress: bool = 
     run_dir = Path(cfg.output.root) / cfg.name
     engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress, resume=resume)
     if world.rank == 0 and engine.run_dir.resumed_from is not None:
-        print(f"communities: resuming {run_dir} from {engine.run_dir.resumed_from.name} (t={engine.t})", flush=True)
+        log.info(f"communities: resuming {run_dir} from {engine.run_dir.resumed_from.name} (t={engine.t})")
     summary = engine.run()
     if summary is not None:
         print_summary(summary, run_dir)

@@ -7,8 +7,8 @@ table) is in ``state_dict``, so a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
+import logging
 import math
-import sys
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -23,6 +23,8 @@ from ..workload import data, models, train
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
 from .timer import Timer
+
+log = logging.getLogger(__name__)
 
 
 class Replica:
@@ -93,8 +95,8 @@ class Replica:
         test_differ = [r for r, (_, te) in enumerate(said) if te != said[0][1]]
         train_differ = [] if ds.sharded else [r for r, (tr, _) in enumerate(said) if tr != said[0][0]]
         if ds.sharded and self.world.size > 1 and len({tr for tr, _ in said}) == 1 and self.rank == 0:
-            print(f"communities: warning: data.dataset={cfg.data.dataset!r} gave every rank the same training "
-                  "shard; a sharded reader (it takes rank or world_size) should return rank's own part", flush=True)
+            log.warning(f"communities: warning: data.dataset={cfg.data.dataset!r} gave every rank the same training "
+                        "shard; a sharded reader (it takes rank or world_size) should return rank's own part")
         if not (test_differ or train_differ):
             return "shared"
         what = " and ".join(w for w, d in (("training set", train_differ), ("test split", test_differ)) if d)
@@ -108,14 +110,14 @@ class Replica:
                 + "; data.on_mismatch=warn trains anyway")
         if not test_differ:
             if self.rank == 0:
-                print(f"communities: warning: the ranks' training sets differ (ranks {train_differ} from rank 0's); "
-                      f"data.dataset={cfg.data.dataset!r} is not deterministic? Each rank trains on its own "
-                      "partition of its own copy", flush=True)
+                log.warning(f"communities: warning: the ranks' training sets differ (ranks {train_differ} from rank "
+                            f"0's); data.dataset={cfg.data.dataset!r} is not deterministic? Each rank trains on its "
+                            "own partition of its own copy")
             return "shared"
         if self.rank == 0:
-            print(f"communities: warning: the ranks' test splits differ (ranks {test_differ} from rank 0's); "
-                  f"data.dataset={cfg.data.dataset!r} is not deterministic? The consensus is scored on "
-                  "rank 0's, each rank on its own", flush=True)
+            log.warning(f"communities: warning: the ranks' test splits differ (ranks {test_differ} from rank 0's); "
+                        f"data.dataset={cfg.data.dataset!r} is not deterministic? The consensus is scored on "
+                        "rank 0's, each rank on its own")
         return f"rank 0's (the test splits differ across ranks: {len(test_differ)} of {len(said)} from rank 0's)"
 
     def _combine_shards(self) -> None:
@@ -147,6 +149,9 @@ class Replica:
         self.y = torch.as_tensor(ds.y_train)[idx].to(device)
         self.x_test = torch.as_tensor(ds.x_test).to(device)
         self.y_test = torch.as_tensor(ds.y_test).to(device)
+        log.debug(f"communities: rank {self.rank}: {len(self.shard.indices)} training examples (labels "
+                  f"{np.bincount(ds.y_train[self.shard.indices], minlength=ds.n_classes).tolist()}), "
+                  f"{len(ds.y_test)} test examples of shape {ds.input_shape}")
         self.tracker: Optional[ExampleTracker] = None
         if cfg.examples.track:
             self.tracker = ExampleTracker(cfg.examples, np.asarray(self.shard.indices, dtype=np.int64), ds.x_train,
@@ -203,8 +208,8 @@ class Replica:
         if not self.diverged and robust.is_diverged(float(self.flat.sum()), res.loss, self.first_loss,
                                                     cfg.robust.loss_factor):
             self.diverged = True
-            print(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be merged "
-                  f"into partners ({cfg.robust.diverged})", file=sys.stderr, flush=True)
+            log.warning(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be "
+                        f"merged into partners ({cfg.robust.diverged})")
         if self.tracker is not None:
             with self.timer("eval"):
                 self.tracker.maybe_evaluate(self.model, t)

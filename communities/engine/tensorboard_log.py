@@ -18,6 +18,7 @@ Tags (step: the unit t):
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from importlib.util import find_spec
@@ -27,6 +28,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 TB_DIR = "tensorboard"  # under the run directory
 
@@ -116,8 +119,8 @@ class TensorBoardLog:
         try:
             from matplotlib.figure import Figure
         except ImportError:
-            print("communities: note: no dendrogram images in TensorBoard without matplotlib "
-                  "(pip install 'communities[inspect]')", flush=True)
+            log.warning("communities: note: no dendrogram images in TensorBoard without matplotlib "
+                        "(pip install 'communities[inspect]')")
             return
         from scipy.cluster.hierarchy import dendrogram
 

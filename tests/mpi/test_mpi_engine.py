@@ -211,6 +211,6 @@ def test_test_splits_that_differ_by_rank_are_said_under_on_mismatch_warn(tmp_pat
     """data.on_mismatch=warn trains on data that differ by rank (the default refuses: test_plugins_mpi.py)."""
     res = run_engine(3, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:not_deterministic",
                      "data.partition=iid", "train.budget=5", "name=tiny", "data.on_mismatch=warn")
-    assert "the ranks' test splits differ (ranks [1, 2] from rank 0's)" in res.stdout
+    assert "the ranks' test splits differ (ranks [1, 2] from rank 0's)" in res.stderr  # a warning
     s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert s["consensus_test_split"].startswith("rank 0's (the test splits differ across ranks: 2 of 3")

@@ -257,3 +257,20 @@ def test_the_mpi_library_string_has_no_nul(monkeypatch):
     fake = types.SimpleNamespace(Get_library_version=lambda: "Open MPI v5.0.8, package: Open MPI\n ident\0")
     monkeypatch.setattr(comm, "_mpi", lambda: fake)
     assert comm.World.library_version() == "Open MPI v5.0.8, package: Open MPI"
+
+
+def test_quiet_and_verbose_set_what_is_printed(capsys):
+    import logging
+
+    log = logging.getLogger("communities.engine.runlog")
+    try:
+        for quiet, verbose, shown in ((True, False, {"warn"}), (False, False, {"info", "warn"}),
+                                      (False, True, {"debug", "info", "warn"})):
+            cli.configure_logging(quiet, verbose)
+            log.debug("debug")
+            log.info("info")
+            log.warning("warn")
+            out, err = capsys.readouterr()
+            assert set(out.split()) == shown - {"warn"} and err.split() == ["warn"]  # warnings go to stderr
+    finally:
+        cli.configure_logging()
