@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
-from . import __version__
+from . import __version__, console
 from .errors import EXIT_PREEMPTED, EXIT_USER, UserError, is_collective
 
 log = logging.getLogger("communities")
@@ -66,28 +66,6 @@ def _verbosity(p) -> None:
     group.add_argument("-q", "--quiet", action="store_true", help="print warnings and errors only")
     group.add_argument("-v", "--verbose", action="store_true", help="also print debugging detail (data, shards, "
                        "every signature round)")
-
-
-class ConsoleHandler(logging.Handler):
-    """What the commands print: INFO and below to stdout, WARNING and above to stderr, the message as it is.
-
-    The streams are looked up at each record, so a redirected ``sys.stdout`` (pytest's capsys) is followed.
-    """
-
-    def emit(self, record: logging.LogRecord) -> None:
-        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
-        try:
-            stream.write(self.format(record) + "\n")
-            stream.flush()
-        except Exception:
-            self.handleError(record)
-
-
-def configure_logging(quiet: bool = False, verbose: bool = False) -> None:
-    """The ``communities`` logger every module logs through: --quiet shows warnings and errors, --verbose debug."""
-    log.handlers[:] = [ConsoleHandler()]
-    log.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
-    log.propagate = False
 
 
 def plain_text(doc: str) -> str:
@@ -210,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    configure_logging(args.quiet, args.verbose)
+    console.configure(args.quiet, args.verbose)
     try:
         if args.command == "validate":
             return cmd_validate(args)

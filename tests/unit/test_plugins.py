@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from communities import cli, config
+from communities import cli, config, console
 from communities.errors import DataError, ModelError
 from communities.workload import data, models, plugins
 from tests.helpers.mpi import ROOT
@@ -266,11 +266,11 @@ def test_quiet_and_verbose_set_what_is_printed(capsys):
     try:
         for quiet, verbose, shown in ((True, False, {"warn"}), (False, False, {"info", "warn"}),
                                       (False, True, {"debug", "info", "warn"})):
-            cli.configure_logging(quiet, verbose)
+            console.configure(quiet, verbose)
             log.debug("debug")
             log.info("info")
             log.warning("warn")
             out, err = capsys.readouterr()
             assert set(out.split()) == shown - {"warn"} and err.split() == ["warn"]  # warnings go to stderr
     finally:
-        cli.configure_logging()
+        console.configure()
