@@ -2,10 +2,12 @@
 the forms a dataset may take, and the clean errors of `communities validate`'s dry run."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,6 +55,19 @@ def test_validate_follows_the_docs_from_another_directory(tmp_path):
     assert "name: plugins_example" in res.stdout
     for line in re.search(r"prints the resolved config.*?```\n(.*?)```", DOC.read_text(), re.S).group(1).splitlines():
         assert line in res.stderr  # the dry run the docs show, line for line
+
+
+def test_the_installed_command_imports_hooks_from_the_current_directory(tmp_path):
+    """``mymod.py`` in the current directory, the config elsewhere: the console script finds it (issue 13)."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "mymod.py").write_text((EXAMPLE / "my_data.py").read_text())
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "c.yaml").write_text("data: {dataset: 'mymod:blobs'}\nmodel: {name: 'mymod:tiny_mlp'}\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([str(Path(sys.executable).parent / "communities"), "validate", "../configs/c.yaml"],
+                         cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "name: c\n" in res.stdout and "communities: model: mymod:tiny_mlp: 195 parameters" in res.stderr
 
 
 @pytest.mark.parametrize("override, needle", [
