@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.mpi import ROOT, run_engine, run_mpi
-from tests.unit.test_plugins import doc_commands
+from tests.helpers.plugin_docs import doc_commands
 
 EXAMPLE_CONFIG = ROOT / "examples" / "plugins" / "config.yaml"  # the docs' file (tests/unit/test_plugins.py)
 

@@ -17,20 +17,9 @@ from communities import cli, config, console
 from communities.errors import DataError, ModelError
 from communities.workload import data, models, plugins
 from tests.helpers.mpi import ROOT
+from tests.helpers.plugin_docs import doc_blocks, doc_commands, doc_dry_run
 
-DOC = ROOT / "docs" / "plugins.md"
 EXAMPLE = ROOT / "examples" / "plugins"
-
-
-def doc_blocks() -> dict:
-    """The code blocks of docs/plugins.md that name a file (```python title="PATH"), by path."""
-    return {m.group(1): m.group(2) for m in re.finditer(r'```\w+ title="([^"]+)"\n(.*?)```', DOC.read_text(), re.S)}
-
-
-def doc_commands() -> list:
-    """The shell commands of docs/plugins.md's worked example, as written."""
-    block = re.search(r"Check it without MPI, then run it.*?```bash\n(.*?)```", DOC.read_text(), re.S).group(1)
-    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
 
 
 def test_the_shipped_example_is_the_one_in_the_docs():
@@ -53,7 +42,7 @@ def test_validate_follows_the_docs_from_another_directory(tmp_path):
                    cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "name: plugins_example" in res.stdout
-    for line in re.search(r"prints the resolved config.*?```\n(.*?)```", DOC.read_text(), re.S).group(1).splitlines():
+    for line in doc_dry_run():
         assert line in res.stderr  # the dry run the docs show, line for line
 
 
