@@ -16,6 +16,7 @@ are computed by every rank from identical inputs.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
@@ -30,7 +31,7 @@ from ..results import Summary, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import World
-from . import protocols
+from . import protocols, tensorboard_log
 from .checkpoint import Checkpointer
 from .consensus import Decision
 from .faults import make_faults
@@ -40,6 +41,8 @@ from .run_dir import RunDirectory, describe_partition, now
 from .runlog import RunLog, print_summary
 from .timer import Timer
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     """One rank's engine. Build with ``Engine(cfg, world, run_dir, ...)`` (a collective), then ``run()``."""
@@ -47,7 +50,7 @@ class Engine:
     def __init__(self, cfg, world: World, run_dir: Path, overwrite: bool = False,
                  argv: Optional[List[str]] = None, progress: bool = True, resume=False):
         self.cfg, self.world = cfg, world
-        collective_check(world, lambda: cfg.check_world(world.size))
+        collective_check(world, lambda: (cfg.check_world(world.size), tensorboard_log.check_available(cfg)))
         world.set_timeout(cfg.comm.timeout)
         torch.set_num_threads(cfg.threads or _env_threads())
         deterministic_algorithms()
@@ -77,6 +80,8 @@ class Engine:
             raise
         self.run_dir.resume_data = None
         self.loaded_t = self.t if resumed is not None else -1
+        if world.rank == 0 and cfg.logging.tensorboard:
+            self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
 
     # ------------------------------------------------------------------ the loop
 
@@ -238,7 +243,7 @@ def run(cfg, world: World, overwrite: bool = False, argv=None, progress: bool = 
     run_dir = Path(cfg.output.root) / cfg.name
     engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress, resume=resume)
     if world.rank == 0 and engine.run_dir.resumed_from is not None:
-        print(f"communities: resuming {run_dir} from {engine.run_dir.resumed_from.name} (t={engine.t})", flush=True)
+        log.info(f"communities: resuming {run_dir} from {engine.run_dir.resumed_from.name} (t={engine.t})")
     summary = engine.run()
     if summary is not None:
         print_summary(summary, run_dir)

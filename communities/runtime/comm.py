@@ -304,7 +304,8 @@ class World:
 
     @staticmethod
     def library_version() -> str:
-        return _mpi().Get_library_version().strip().splitlines()[0]
+        """The MPI library's first line of version text (Open MPI's ends in a NUL byte: removed)."""
+        return _mpi().Get_library_version().replace("\0", "").strip().splitlines()[0]
 
     # ---------------------------------------------------------------- staging
 

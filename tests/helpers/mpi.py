@@ -32,15 +32,18 @@ def mpi_env(**extra: str) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MPLBACKEND="Agg", **extra)
 
 
-def run_command(cmd, timeout: float, what: str, cwd=None, check: bool = True, env=None
+def run_command(cmd, timeout: float, what: str, cwd=None, check: bool = True, env=None, on_timeout=None
                 ) -> subprocess.CompletedProcess:
-    """Run an ``mpiexec`` command line in its own session; kill the whole process group on timeout (no hang)."""
+    """Run an ``mpiexec`` command line in its own session; kill the whole process group on timeout (no hang),
+    then call ``on_timeout`` (for ranks that left the group)."""
     proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        if on_timeout is not None:
+            on_timeout()
         out, err = proc.communicate()
         raise AssertionError(f"{what} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}") from None
     res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -49,17 +52,20 @@ def run_command(cmd, timeout: float, what: str, cwd=None, check: bool = True, en
     return res
 
 
-def mpi_command(n: int, args) -> list:
-    """``mpiexec -n N python ARGS`` of this environment (Open MPI: oversubscribed, root allowed)."""
+def mpi_command(n: int, args, program=None) -> list:
+    """``mpiexec -n N python ARGS`` (or ``PROGRAM ARGS``) of this environment (Open MPI: oversubscribed, root
+    allowed)."""
     cmd = [mpiexec(), "-n", str(n)]
     if "Open MPI" in _mpi_flavour():
         cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    return cmd + [sys.executable] + [str(a) for a in args]
+    return cmd + [str(program or sys.executable)] + [str(a) for a in args]
 
 
-def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` on n ranks; kill the whole process group on timeout so nothing hangs."""
-    return run_command(mpi_command(n, args), timeout, f"mpiexec -n {n} {args}", cwd=cwd, check=check)
+def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True,
+            program=None) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` (or ``PROGRAM ARGS``) on n ranks; kill the whole process group on timeout so nothing
+    hangs."""
+    return run_command(mpi_command(n, args, program), timeout, f"mpiexec -n {n} {args}", cwd=cwd, check=check)
 
 
 _FLAVOUR = None
