@@ -17,6 +17,7 @@ calibration differs.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -86,6 +87,7 @@ print(h.hexdigest()[:16])
 """
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_fingerprint() -> str:
     """A hash of the float bits a few seeded training steps give here under ``KERNEL_ENV``: the kernels' own
     fingerprint (the engine's layer kinds, at the quickstart's and MNIST-1D's widths, on one thread).
