@@ -40,7 +40,7 @@ ompi: $(OMPI_VENV)/.installed
 
 run: install
 	OMP_NUM_THREADS=1 $(BIN)/mpiexec -n $(NP) $(BIN)/communities run $(CONFIG) --overwrite
-	MPLBACKEND=Agg $(BIN)/communities inspect results/$$($(BIN)/communities validate $(CONFIG) | sed -n 's/^name: //p')
+	MPLBACKEND=Agg $(BIN)/communities inspect results/$$($(BIN)/communities validate --no-dry-run $(CONFIG) | sed -n 's/^name: //p')
 
 test: install ompi
 	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -rfEs --durations=25 tests

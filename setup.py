@@ -33,7 +33,10 @@ setup(
         "mpich": ["mpich"],
         "inspect": ["matplotlib>=3.6"],
         "mnist1d": ["mnist1d>=0.0.2"],
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2"],
+        # logging.tensorboard: true (torch.utils.tensorboard's writer needs the tensorboard package)
+        "tensorboard": ["tensorboard>=2.10"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2",
+                 "tensorboard>=2.10"],
         # pinned: a newer linter may flag new things, and CI runs make lint
         "dev": ["ruff==0.17.6", "mypy==2.4.1"],
     },

@@ -6,3 +6,7 @@ community while the probability of a cross-community partner anneals upward
 until one consensus model emerges.
 """
 __version__ = "0.1.0"
+
+from . import console as _console  # noqa: E402
+
+_console.configure()  # what the modules log is printed, as the command line shows it

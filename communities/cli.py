@@ -1,4 +1,4 @@
-"""Command line: ``communities run | validate | inspect | compare | bench | slurm | export``.
+"""Command line: ``communities run | validate | inspect | compare | bench | slurm | export`` (and ``--version``).
 
 ``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
 process. Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by
@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
+import re
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import List, Optional
 
+from . import __version__, console
 from .errors import EXIT_PREEMPTED, EXIT_USER, UserError, is_collective
+
+log = logging.getLogger("communities")
 
 # Commands with their own argument parsers (they need neither MPI nor, for inspect, torch).
 DELEGATED = {
@@ -37,21 +43,62 @@ def _run_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing results/<name>/")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("--no-progress", action="store_true", help="no progress output on rank 0")
+    _verbosity(p)
     p.add_argument("--resume", action="store_true",
                    help="continue results/<name>/ from its last complete checkpoint (automatic when "
                         "SLURM_RESTART_COUNT > 0)")
 
 
 def _validate_parser(sub) -> None:
-    p = sub.add_parser("validate", help="check a config without MPI and print it resolved")
+    p = sub.add_parser("validate", help="check a config without MPI (a dry run of its data and model) and print it "
+                       "resolved", description="Check a config without MPI and print it resolved (stdout). A dry "
+                       "run (stderr) loads the dataset, calls a module:function dataset twice to see that it is "
+                       "deterministic, partitions it, builds the model and runs one forward pass.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--world-size", type=int, default=None, help="also check against this many ranks")
+    p.add_argument("--no-dry-run", action="store_true", help="check the config alone: load no data, build no model")
     p.add_argument("--debug", action="store_true")
+    _verbosity(p)
+
+
+def _verbosity(p) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true", help="print warnings and errors only")
+    group.add_argument("-v", "--verbose", action="store_true", help="also print debugging detail (data, shards, "
+                       "every signature round)")
+
+
+def plain_text(doc: str) -> str:
+    """A docstring's first paragraph as help text: no reStructuredText markup (``code`` becomes code)."""
+    return re.sub(r"``([^`]*)``", r"\1", doc.split("\n\n")[0])
+
+
+def hide_subcommands(subparsers, *names: str) -> None:
+    """Leave internal subcommands (still callable) out of ``--help`` and the usage line."""
+    # argparse prints ==SUPPRESS== for a subcommand whose help is SUPPRESS; its list of shown choices is private
+    shown = [a for a in subparsers._choices_actions if a.dest not in names]
+    subparsers._choices_actions = shown
+    subparsers.metavar = "{" + ",".join(a.dest for a in shown) + "}"
+
+
+def version_text() -> str:
+    """``communities X (torch Y, mpi4py Z, Python W)``, without importing torch or MPI."""
+    from importlib import metadata
+
+    def v(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"communities {__version__} (torch {v('torch')}, mpi4py {v('mpi4py')}, "
+            f"Python {sys.version.split()[0]})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="communities", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="communities", description=plain_text(__doc__))
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _validate_parser(sub)
@@ -67,12 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def hook_search_path(config: str) -> None:
+    """Let a config's module:function hooks be imported from the current directory and the config's directory."""
+    from .workload import plugins
+
+    plugins.add_search_path(os.getcwd(), Path(config).resolve().parent)
+
+
 def cmd_validate(args) -> int:
     from .config import load
 
     cfg = load(args.config, args.overrides)
     if args.world_size is not None:
         cfg.check_world(args.world_size)
+    if not args.no_dry_run:
+        from .workload.dry_run import dry_run
+
+        hook_search_path(args.config)
+        for line in dry_run(cfg, args.world_size or cfg.world_size):
+            if not args.quiet:  # stderr: stdout is the resolved config
+                print(f"communities: {line}", file=sys.stderr)
     print(cfg.to_yaml(), end="")
     return 0
 
@@ -101,19 +162,26 @@ def cmd_run(args) -> int:
     if err:
         raise collective(ConfigError(err))
     cfg = from_json(world.bcast_text(text))
+    hook_search_path(args.config)  # on every rank: each imports the hooks itself
     resume = True if args.resume else ("auto" if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else False)
+    code = 0
     try:
-        loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not args.no_progress, resume=resume)
+        loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not (args.no_progress or args.quiet),
+                 resume=resume)
     except Preempted:
-        return EXIT_PREEMPTED
+        code = EXIT_PREEMPTED
     except RunComplete as exc:
         if world.rank == 0:
-            print(f"communities: {exc}")
-    return 0
+            log.info(f"communities: {exc}")
+    world.close()  # every rank ends here together (a stop and a complete run are collective decisions)
+    return code
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--version", "-V"):
+        print(version_text())
+        return 0
     if argv and argv[0] in DELEGATED:
         module, function = DELEGATED[argv[0]]
         return getattr(importlib.import_module(module, __package__), function)(argv[1:])
@@ -125,6 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    console.configure(args.quiet, args.verbose)
     try:
         if args.command == "validate":
             return cmd_validate(args)
@@ -135,7 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if getattr(args, "debug", False):
             traceback.print_exc()
         if not _is_mpi_worker():
-            print(f"communities: error: {exc}", file=sys.stderr)
+            log.error(f"communities: error: {exc}")
         return EXIT_USER
     except KeyboardInterrupt:
         return 130

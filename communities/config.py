@@ -70,7 +70,13 @@ class SyntheticData(_Section):
 
 
 class DataConfig(_Section):
-    dataset: str = Field("digits", description="digits | mnist1d | synthetic | module:function")
+    dataset: str = Field("digits", description="digits | mnist1d | synthetic | module:function (docs/plugins.md)")
+    root: Optional[str] = Field(None, description="a directory of data on disk, passed to a module:function "
+                                "dataset as root= (e.g. torchvision's root); relative to the current directory")
+    on_mismatch: Literal["refuse", "warn"] = Field(
+        "refuse", description="when the ranks' data differ at start-up (a dataset function that is not "
+        "deterministic): refuse to train, naming the ranks; warn: train anyway, the consensus scored on rank 0's "
+        "test split")
     partition: Literal["iid", "dirichlet", "label_groups"] = "iid"
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition: dirichlet)")
     groups: int = Field(4, ge=1, description="planted groups of ranks (partition: label_groups)")
@@ -90,7 +96,7 @@ class DataConfig(_Section):
         if self.dataset not in ("digits", "mnist1d", "synthetic") and ":" not in self.dataset:
             raise ValueError(
                 f"data.dataset={self.dataset!r} is not one of digits, mnist1d, synthetic, "
-                "or a 'package.module:function' returning (x_train, y_train, x_test, y_test)"
+                "or a 'package.module:function' returning (x_train, y_train, x_test, y_test) (docs/plugins.md)"
             )
         if self.shift != "none":
             if self.groups < 2:
@@ -270,6 +276,17 @@ class OutputConfig(_Section):
                                   "(snapshots/round_NNNN/rankRRRRR.pt), for communities export: N models per round")
 
 
+class LoggingConfig(_Section):
+    """Where ML users look for metrics: TensorBoard (rank 0 writes what it gathers anyway, off the training path)."""
+
+    tensorboard: bool = Field(False, description="write TensorBoard scalars (consensus and rank accuracy, loss, "
+                              "dispersion, communities, p_cross, bytes, wall split) to RUN_DIR/tensorboard; needs "
+                              "pip install 'communities[tensorboard]'")
+    per_rank: bool = Field(False, description="tensorboard: also every rank's own loss, accuracy and bytes")
+    dendrograms: bool = Field(True, description="tensorboard: each round's dendrogram as an image (drawn at the "
+                              "end; needs matplotlib)")
+
+
 class CommConfig(_Section):
     cuda_aware: bool = Field(False, description="pass device buffers to MPI directly")
     check_hashes: bool = Field(True, description="allgather a hash of exchange lists and communities each round")
@@ -331,7 +348,7 @@ class CheckpointConfig(_Section):
 # ``name`` follows the run directory: a copied or renamed run directory resumes under its new name.
 RESUME_MAY_CHANGE = ("train.budget", "train.wall_budget", "output", "checkpoint", "comm.check_hashes", "comm.timeout",
                      "consensus.stop", "consensus.patience", "consensus.tol", "train.eval_every", "name",
-                     "faults.disk_full_at")
+                     "faults.disk_full_at", "logging", "data.on_mismatch")
 
 
 def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
@@ -424,6 +441,7 @@ class Config(_Section):
     robust: RobustConfig = RobustConfig()
     faults: FaultsConfig = FaultsConfig()
     examples: ExamplesConfig = ExamplesConfig()
+    logging: LoggingConfig = LoggingConfig()
     ifca: IfcaConfig = IfcaConfig()
 
     @field_validator("name", mode="after")
@@ -707,7 +725,48 @@ def read_yaml(path: Union[str, Path], what: str = "config") -> Any:
 def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
     """Read YAML at ``path``, apply overrides, validate. Every failure is a ConfigError naming the file."""
     raw = read_yaml(path)
-    return from_dict(apply_overrides(raw, overrides or []), source=str(path))
+    merged = apply_overrides(raw, overrides or [])
+    if isinstance(merged, dict):
+        name = run_name(path, raw, merged, overrides or [])
+        if name is not None:
+            merged["name"] = name
+    return from_dict(merged, source=str(path))
+
+
+# overrides that make a run of another config's run: without a name of its own it would write over that run
+NAMES_THE_WORK = ("data.dataset", "model.name")
+
+
+def run_name(path: Union[str, Path], raw: dict, merged: dict, overrides: List[str]) -> Optional[str]:
+    """The run's name where the user gave none that fits; None keeps what the config says.
+
+    A file without ``name`` is named after the file (``my_run.yaml`` -> ``my_run``). An override of
+    ``data.dataset`` or ``model.name`` without a ``name=`` override appends the new value
+    (``quickstart.yaml data.dataset=my_data:blobs`` -> ``quickstart-my_data.blobs``), so a run of other
+    data never lands in, or overwrites, the directory of the config's own run.
+    """
+    keys = [o.split("=", 1)[0].strip() for o in overrides if "=" in o]
+    if "name" in keys:
+        return None
+    base = merged.get("name") if "name" in raw else _plain_name(Path(path).stem)
+    if not isinstance(base, str):
+        return None
+    changed = []
+    for key in NAMES_THE_WORK:
+        if key in keys:
+            section, field = key.split(".")
+            old, new = (d.get(section, {}).get(field) if isinstance(d.get(section), dict) else None
+                        for d in (raw, merged))
+            if new != old and isinstance(new, str):
+                changed.append(_plain_name(new))
+    name = "-".join([base] + changed)
+    return name[:255] if name != merged.get("name") else None
+
+
+def _plain_name(text: str) -> str:
+    """``text`` as a run directory name: characters outside ``NAME_CHARS`` become '.', never '.' or '..'."""
+    out = re.sub(r"[^A-Za-z0-9_.\-]", ".", text).strip(".") or "run"
+    return out
 
 
 def from_json(text: str) -> Config:

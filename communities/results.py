@@ -65,8 +65,8 @@ def is_bookkeeping(path: Path) -> bool:
 # holds meta.json or config.yaml, or nothing but these (a run that died before writing config.yaml).
 RUN_MARKERS = ("meta.json", "config.yaml")
 RUN_ENTRIES = RUN_MARKERS + ("partition.json", "metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl",
-                             "rounds", "checkpoints", "consensus.pt", "summary.json", "report", "STOP", "models",
-                             "snapshots", "exports")
+                             "rounds", "checkpoints", "consensus.pt", "summary.json", "report", "STOP",
+                             "tensorboard", "models", "snapshots", "exports")
 
 
 def _looks_like_run(root: Path, content: List[Path]) -> bool:

@@ -12,6 +12,11 @@
 # do not each start one thread per core. MPIEXEC_ARGS adds launcher options, e.g.
 # MPIEXEC_ARGS="-hosts node1,node2". Stop a run cleanly (checkpoint, exit 75) with
 # `kill -USR1 <mpiexec pid>` or `touch results/<name>/STOP`; continue it with --resume.
+# OWN_SESSIONS=1 (Open MPI, Linux) starts every rank in a session of its own, as MPICH's
+# mpiexec does: Linux schedules each session as one group (autogroup), so on a machine
+# shared with other jobs the ranks of one Open MPI job otherwise share one group's CPU
+# and run several times slower (README, "Open MPI and MPICH"). The launcher's signals
+# then end the ranks instead of stopping them: stop such a run with the STOP file.
 set -euo pipefail
 if (($# < 2)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
     sed -n '2,7s/^# \{0,1\}//p' "$0" >&2
@@ -26,10 +31,13 @@ if [[ ! -x $MPIEXEC ]]; then
     MPIEXEC=$(command -v mpiexec || command -v mpirun) || { echo "mpirun.sh: no mpiexec next to $PYTHON nor on PATH" >&2; exit 2; }
 fi
 LAUNCH=("$MPIEXEC" -n "$NP")
+RANK=()
 if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
     LAUNCH+=(--oversubscribe)
     ((EUID == 0)) && LAUNCH+=(--allow-run-as-root)
+    # setsid: a session per rank; setpriv: the rank dies with its setsid (an MPI_Abort kills setsid)
+    [[ ${OWN_SESSIONS:-0} == 1 ]] && RANK=(setsid -w setpriv --pdeathsig KILL)
 fi
 read -r -a EXTRA <<<"${MPIEXEC_ARGS:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "${LAUNCH[@]}" ${EXTRA[@]+"${EXTRA[@]}"} "$PYTHON" -m communities run "$@"
+exec "${LAUNCH[@]}" ${EXTRA[@]+"${EXTRA[@]}"} ${RANK[@]+"${RANK[@]}"} "$PYTHON" -m communities run "$@"

@@ -17,6 +17,7 @@ virtual clock.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import List, Optional, Tuple
@@ -32,6 +33,8 @@ from ..runtime.comm import Tag, World
 from .mixer import Mixer
 from .replica import Replica
 from .timer import Timer
+
+log = logging.getLogger(__name__)
 
 RETRIES = 2  # after a BUSY answer, draw another partner this many times before giving the merge up
 CONTROL_WIDTH = 4  # int64 per control message: kind, request id, the sender's unit, flags
@@ -168,8 +171,8 @@ class AsyncMixer(Mixer):
             if reason == "timeout":
                 self._events.append(MergeRow(t, self.rank, partner, self.rank, 0.0, 0.0, float("nan"), 0,
                                              int(Event.TIMEOUT)))
-                print(f"communities: rank {self.rank} at t={t}: rank {partner} did not answer within "
-                      f"comm.timeout={self.cfg.comm.timeout:g}s; skipped", flush=True)
+                log.info(f"communities: rank {self.rank} at t={t}: rank {partner} did not answer within "
+                         f"comm.timeout={self.cfg.comm.timeout:g}s; skipped")
             return
 
     def _draw(self, t: int, tried: np.ndarray) -> Tuple[Optional[int], int]:

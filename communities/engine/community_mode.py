@@ -47,7 +47,8 @@ class MergeProbe:
         self.replica, self.strategy, self.rank = replica, strategy, replica.rank
         y = replica.dataset.y_train
         n_classes = replica.dataset.n_classes
-        counts = np.array([np.bincount(y[s.indices], minlength=n_classes) for s in replica.shards])
+        counts = np.array(replica.label_counts) if replica.label_counts is not None else \
+            np.array([np.bincount(y[s.indices], minlength=n_classes) for s in replica.shards])  # (a sharded reader's)
         self.known = torch.as_tensor(conflict.known_classes(counts))  # (N, C)
         self.labels: Optional[np.ndarray] = None  # the candidate communities (set by CommunityMode)
         self.row = conflict.empty()

@@ -1,8 +1,11 @@
 """Rank 0's progress line: a tqdm bar on a terminal, else a line every 5% of the budget."""
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
+
+log = logging.getLogger(__name__)
 
 
 class Progress:
@@ -29,7 +32,7 @@ class Progress:
             self.bar.update(1)
             self.bar.set_postfix_str(info, refresh=False)
         elif t % max(1, self.budget // 20) == 0 or t == 1:
-            print(f"[{self.name}] t={t}/{self.budget} {info}", flush=True)
+            log.info(f"[{self.name}] t={t}/{self.budget} {info}")
 
     def close(self) -> None:
         if self.bar is not None:

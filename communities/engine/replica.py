@@ -7,16 +7,15 @@ table) is in ``state_dict``, so a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
-import hashlib
+import logging
 import math
-import sys
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 
 from ..core import merge, protocol, robust
-from ..errors import ConfigError
+from ..errors import ConfigError, Disagreement
 from ..results import MetricRow
 from ..runtime.collective import on_every_rank
 from ..runtime.comm import World
@@ -24,6 +23,8 @@ from ..workload import data, models, train
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
 from .timer import Timer
+
+log = logging.getLogger(__name__)
 
 
 class Replica:
@@ -47,8 +48,11 @@ class Replica:
     def build(cls, cfg, world: World, device: torch.device, timer: Timer, faults: NoFaults) -> "Replica":
         """Load the data, partition it, build the model and share rank 0's initial weights."""
         self = cls(cfg, world, device, timer, faults)
-        on_every_rank(world, self._load_data)
-        self.test_split = self._compare_test_splits()
+        on_every_rank(world, self._read_data)
+        self.test_split = self._check_same_data()
+        if self.dataset.sharded:
+            self._combine_shards()
+        on_every_rank(world, self._place_data)
         model, flat, n_params = on_every_rank(world, self._build_model)
         shapes = models.shape_signature(model)
         world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
@@ -60,33 +64,95 @@ class Replica:
         self.opt = train.make_optimizer(cfg.train, model.parameters())
         return self
 
-    def _compare_test_splits(self) -> str:
-        """A collective: which test split the consensus is scored on; "shared" unless the ranks' splits differ.
+    def _read_data(self) -> None:
+        """This rank's copy of the dataset (a sharded reader's: its own training shard), and its fingerprint."""
+        cfg = self.cfg
+        # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
+        ds = data.load(cfg.data, cfg.seed, self.rank, self.world.size)
+        self.dataset, self.fingerprint = ds, data.fingerprint(ds)
+        self.label_counts: Optional[List[List[int]]] = None
+        if ds.sharded:
+            self.own_group = data.own_group(ds, self.rank, self.world.size)
+            needs_pool = [k for k, on in (("examples.track", cfg.examples.track),
+                                          (f"signature.kind={cfg.signature.kind!r}",
+                                           cfg.signature.kind in ("logits", "cka"))) if on]
+            if needs_pool:
+                raise ConfigError(f"{' and '.join(needs_pool)} need the whole training set on every rank, but "
+                                  f"data.dataset={cfg.data.dataset!r} is a sharded reader (it takes rank or "
+                                  "world_size) and gives each rank only its own shard")
 
-        A user dataset function that is not deterministic gives every rank different data; the
-        consensus model is then scored on rank 0's split, and the summary must say so.
+    def _check_same_data(self) -> str:
+        """A collective: the ranks compare their data's fingerprints; which test split the consensus is scored on.
+
+        A dataset function that is not deterministic gives every rank different data. That is refused
+        (``data.on_mismatch: refuse``, a Disagreement naming the ranks, before anything is written), or
+        with ``warn`` trained on as it is, the consensus scored on rank 0's test split, as the summary says.
+        A sharded reader's training shards differ by design; its test split must not.
         """
-        ds = self.dataset
-        h = hashlib.blake2b(digest_size=16)
-        for a in (ds.x_test, ds.y_test):
-            h.update(np.ascontiguousarray(a).tobytes())
-        said = self.world.allgather_text(h.hexdigest(), width=40)
-        differ = [r for r, d in enumerate(said) if d != said[0]]
-        if not differ:
+        cfg, ds = self.cfg, self.dataset
+        train_fp, test_fp = self.fingerprint
+        said = [t.split() for t in self.world.allgather_text(f"{train_fp} {test_fp}", width=80)]
+        test_differ = [r for r, (_, te) in enumerate(said) if te != said[0][1]]
+        train_differ = [] if ds.sharded else [r for r, (tr, _) in enumerate(said) if tr != said[0][0]]
+        if ds.sharded and self.world.size > 1 and len({tr for tr, _ in said}) == 1 and self.rank == 0:
+            log.warning(f"communities: warning: data.dataset={cfg.data.dataset!r} gave every rank the same training "
+                        "shard; a sharded reader (it takes rank or world_size) should return rank's own part")
+        if not (test_differ or train_differ):
+            return "shared"
+        what = " and ".join(w for w, d in (("training set", train_differ), ("test split", test_differ)) if d)
+        ranks = sorted(set(test_differ) | set(train_differ))
+        if cfg.data.on_mismatch == "refuse":
+            fn = cfg.data.dataset.partition(":")[2] or cfg.data.dataset
+            raise Disagreement(
+                f"data.dataset={cfg.data.dataset!r}: the ranks' data differ: ranks {ranks} hold another {what} than "
+                f"rank 0. Is {fn}() deterministic? It is called with seed= (use it for every random choice)"
+                + (" and must return the same test split on every rank" if ds.sharded else "")
+                + "; data.on_mismatch=warn trains anyway")
+        if not test_differ:
+            if self.rank == 0:
+                log.warning(f"communities: warning: the ranks' training sets differ (ranks {train_differ} from rank "
+                            f"0's); data.dataset={cfg.data.dataset!r} is not deterministic? Each rank trains on its "
+                            "own partition of its own copy")
             return "shared"
         if self.rank == 0:
-            print(f"communities: warning: the ranks' test splits differ (ranks {differ} from rank 0's); "
-                  f"data.dataset={self.cfg.data.dataset!r} is not deterministic? The consensus is scored on "
-                  "rank 0's, each rank on its own", flush=True)
-        return f"rank 0's (the test splits differ across ranks: {len(differ)} of {len(said)} from rank 0's)"
+            log.warning(f"communities: warning: the ranks' test splits differ (ranks {test_differ} from rank 0's); "
+                        f"data.dataset={cfg.data.dataset!r} is not deterministic? The consensus is scored on "
+                        "rank 0's, each rank on its own")
+        return f"rank 0's (the test splits differ across ranks: {len(test_differ)} of {len(said)} from rank 0's)"
 
-    def _load_data(self) -> None:
+    def _combine_shards(self) -> None:
+        """A collective, for a sharded reader: the class count, standardisation and shard records of every rank.
+
+        Each rank holds out its own local test split (``data.split_local``, as ``data.hold_out`` would); the
+        records are of the training part."""
+        ds, w, cfg = self.dataset, self.world, self.cfg
+        ds.classes = int(w.allreduce_array(np.array([max(ds.y_train.max(), ds.y_test.max())]), op="max")[0]) + 1
+        if cfg.data.standardize:
+            data.standardize_by_moments_(ds, w.allreduce_array(data.moments(ds.x_train)))
+        kept, local = data.split_local(np.arange(len(ds.y_train), dtype=np.int64), cfg.data.local_test_fraction,
+                                       cfg.seed, self.rank)
+        own = np.concatenate([[len(kept), -1 if self.own_group is None else self.own_group, len(local)],
+                              np.bincount(ds.y_train[kept], minlength=ds.classes)]).astype(np.int64)
+        rows = w.allgather(own)
+        self.label_counts = rows[:, 3:].tolist()
+        self.local_test_sizes = rows[:, 2].tolist()
+        self.shards = [data.Shard(np.arange(int(n), dtype=np.int64), None if self.own_group is None else int(g))
+                       for n, g in rows[:, :2]]
+        self.shards[self.rank] = data.Shard(kept, self.shards[self.rank].group)
+        self.local_tests = [np.zeros(0, dtype=np.int64) for _ in rows]  # only this rank's own is known here
+        self.local_tests[self.rank] = local
+
+    def _place_data(self) -> None:
+        """This rank's shard (the partition's, or a sharded reader's own) as tensors on the device, and its local
+        test data (data.local_test_fraction) held out of it."""
         cfg, device = self.cfg, self.device
-        # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
-        prepared = data.prepare(cfg.data, cfg.seed, self.world.size)
-        ds, shards = prepared.dataset, prepared.shards
-        self.dataset, self.shards, self.local_tests = ds, shards, prepared.local_tests
-        self.shard = shards[self.rank]
+        if not self.dataset.sharded:
+            # the partition, the shift of the planted groups and the local tests: the same on every rank
+            prepared = data.arrange(self.dataset, cfg.data, cfg.seed, self.world.size)
+            self.dataset, self.shards, self.local_tests = prepared.dataset, prepared.shards, prepared.local_tests
+            self.local_test_sizes = [int(t.size) for t in self.local_tests]
+        ds = self.dataset
+        self.shard = self.shards[self.rank]
         idx = torch.as_tensor(self.shard.indices)
         self.x = torch.as_tensor(ds.x_train)[idx].to(device)
         self.y = torch.as_tensor(ds.y_train)[idx].to(device)
@@ -95,6 +161,10 @@ class Replica:
         local = torch.as_tensor(self.local_tests[self.rank])
         self.x_local = torch.as_tensor(ds.x_train)[local].to(device)  # this rank's local test data (may be empty)
         self.y_local = torch.as_tensor(ds.y_train)[local].to(device)
+        log.debug(f"communities: rank {self.rank}: {len(self.shard.indices)} training examples (labels "
+                  f"{np.bincount(ds.y_train[self.shard.indices], minlength=ds.n_classes).tolist()}), "
+                  f"{len(ds.y_test)} test examples of shape {ds.input_shape}"
+                  + (f", {len(local)} local test examples" if len(local) else ""))
         self.tracker: Optional[ExampleTracker] = None
         if cfg.examples.track:
             self.tracker = ExampleTracker(cfg.examples, np.asarray(self.shard.indices, dtype=np.int64), ds.x_train,
@@ -151,8 +221,8 @@ class Replica:
         if not self.diverged and robust.is_diverged(float(self.flat.sum()), res.loss, self.first_loss,
                                                     cfg.robust.loss_factor):
             self.diverged = True
-            print(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be merged "
-                  f"into partners ({cfg.robust.diverged})", file=sys.stderr, flush=True)
+            log.warning(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be "
+                        f"merged into partners ({cfg.robust.diverged})")
         if self.tracker is not None:
             with self.timer("eval"):
                 self.tracker.maybe_evaluate(self.model, t)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import platform
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -38,6 +38,8 @@ from ..runtime.collective import collective_check
 from ..runtime.comm import World
 from ..workload import data
 from . import checkpoint
+
+log = logging.getLogger(__name__)
 
 STOP_FILE = "STOP"
 LOGS = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl")
@@ -93,7 +95,7 @@ class RunDirectory:
             self.lock = RunLock(self.path)
             note = self.lock.acquire(argv)
             if note:
-                print(note, flush=True)
+                log.info(note)
             if not resume:
                 return ""
             self._refuse_complete()
@@ -146,8 +148,8 @@ class RunDirectory:
             if not bad:
                 self.resume_data = data_
                 if w.rank == 0 and not checked:
-                    print(f"communities: checkpoint {name} has no checksums (written by an older version); "
-                          "loading it unchecked", flush=True)
+                    log.info(f"communities: checkpoint {name} has no checksums (written by an older version); "
+                             "loading it unchecked")
                 return name, damaged
             damaged.append((name, by_rank(bad, w.size)))
         return None, damaged
@@ -163,10 +165,10 @@ class RunDirectory:
             src = self.checkpoints / name
             writer.guard(target, lambda src=src, target=target: (target.parent.mkdir(exist_ok=True),
                                                                  os.replace(src, target)), "move a checkpoint to")
-            print(f"communities: checkpoint {name} is damaged ({why}); moved to {target}", flush=True)
+            log.info(f"communities: checkpoint {name} is damaged ({why}); moved to {target}")
         pointer = self.checkpoints / LATEST
         writer.guard(pointer, lambda: atomic_write_bytes(pointer, (chosen + "\n").encode()))
-        print(f"communities: falling back to checkpoint {chosen} (t={t}), the newest intact one", flush=True)
+        log.info(f"communities: falling back to checkpoint {chosen} (t={t}), the newest intact one")
 
     def _write_meta(self, resumed_from: str, hosts: List[str], argv: List[str], device, n_params: int) -> None:
         import mpi4py
@@ -255,9 +257,9 @@ class RunDirectory:
             res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
             requeued = res.returncode == 0
             if not requeued:
-                print(f"communities: scontrol requeue {job} failed: {res.stderr.strip()}", file=sys.stderr)
-        print(f"communities: stopped at t={t}, checkpoint written"
-              + (f"; job {job} requeued" if requeued else "; continue with --resume"), flush=True)
+                log.warning(f"communities: scontrol requeue {job} failed: {res.stderr.strip()}")
+        log.info(f"communities: stopped at t={t}, checkpoint written"
+                 + (f"; job {job} requeued" if requeued else "; continue with --resume"))
 
     def complete(self, files: Optional[dict] = None) -> None:
         """Rank 0: the run finished; ``files`` are the manifest entries of its products (``consensus.pt``)."""
@@ -321,5 +323,6 @@ class RunDirectory:
 def describe_partition(replica) -> dict:
     """The ``partition.json`` record of a replica's dataset and shards."""
     ds = replica.dataset
-    return data.describe(replica.shards, ds.y_train, replica.cfg.data.partition, len(ds.y_test),
-                         replica.local_tests, replica.cfg.data.shift)
+    kind = data.SHARDED if ds.sharded else replica.cfg.data.partition
+    return data.describe(replica.shards, ds.y_train, kind, len(ds.y_test), replica.label_counts,
+                         replica.local_test_sizes, replica.cfg.data.shift)

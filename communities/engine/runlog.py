@@ -13,6 +13,7 @@ views go to ``views.jsonl``.
 from __future__ import annotations
 
 import io
+import logging
 from itertools import groupby
 from pathlib import Path
 from typing import List, Optional
@@ -36,7 +37,10 @@ from ..runtime.comm import World
 from .consensus import Decision
 from .example_tracker import ExampleTracker
 from .rounds import RoundResult
+from .tensorboard_log import TensorBoardLog
 from .timer import Timer
+
+log = logging.getLogger(__name__)
 
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units") + \
@@ -54,6 +58,7 @@ class RunLog:
         self.merge_rows: List[MergeRow] = []
         self.merges_logged = 0  # rank 0: pairwise merges written (counted once, at the initiator)
         self.products: dict = {}  # rank 0: manifest entries of the files written at the end
+        self.board: Optional[TensorBoardLog] = None  # rank 0 with logging.tensorboard: the same rows as scalars
 
     def unit(self, row: MetricRow) -> None:
         self.metric_rows.append(row)
@@ -70,6 +75,8 @@ class RunLog:
     def consensus_rows(self, rows: List[dict]) -> None:
         if rows and self.writer is not None:
             self.writer.append_jsonl("consensus.jsonl", rows)
+            if self.board is not None:
+                self.board.consensus(rows)
 
     def round(self, rnd: Optional[RoundResult], law: Optional[Law], decision: Optional[Decision],
               agreement: bytes, tracker: Optional[ExampleTracker], mode: Optional[dict] = None) -> None:
@@ -97,6 +104,11 @@ class RunLog:
             if mode is not None:
                 info["consensus_mode"] = mode
             self.writer.write_round(rnd.index, rnd.signatures.astype(np.float32), com.Z, com.labels, info)
+            log.debug(f"communities: round {rnd.index} at t={rnd.t}: {com.count} communities {com.labels.tolist()}, "
+                      f"dispersion {rnd.dispersion:.4g}" + (f", p_cross {info['p_cross']:.3g}"
+                                                            if info["p_cross"] is not None else ""))
+            if self.board is not None:
+                self.board.round(info, com.Z)
         if tracker is not None and self.collective:
             self._examples(rnd.index, rnd.t, tracker)
 
@@ -117,6 +129,8 @@ class RunLog:
         rows = [MetricRow.from_row(m).to_json(r, local) for r, block in enumerate(metrics) for m in block]
         rows.sort(key=lambda d: (d["t"], d["rank"]))
         self.writer.append_jsonl("metrics.jsonl", rows)
+        if self.board is not None:
+            self.board.metrics(rows)
         events = [MergeRow.from_row(m) for block in merges for m in block]
         mrows = [e.to_json(self.cfg.merge.rule if e.event == Event.MERGE else self.cfg.strategy) for e in events]
         mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
@@ -197,6 +211,8 @@ class RunLog:
             protocol=self.cfg.protocol,
             view_agreement=self._views(view_rows) if view_rows is not None else None)
         self.writer.write_json("summary.json", summary.to_dict())
+        if self.board is not None:
+            self.board.finish(summary)
         return summary
 
     def _examples_summary(self, ex_rows, hard_rows) -> dict:
@@ -246,45 +262,48 @@ def view_agreement(rows: List[dict]) -> dict:
 
 
 def print_summary(s: Summary, run_dir: Path) -> None:
-    """The short end-of-run report rank 0 prints."""
+    """The short end-of-run report rank 0 prints (logged at INFO: --quiet leaves it out)."""
     counts = ", ".join(f"{k}x{len(list(g))}" for k, g in groupby(s.communities_per_round))
     ts = s.time_split
     total = sum(ts.values()) or 1.0
     split = " / ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)" for k, v in ts.items())
     ari = s.first_round_ari
-    print(f"\n== {s.name}: {s.strategy} on {s.world_size} ranks, {s.units} units, {s.rounds} rounds ==")
     on = "" if s.consensus_test_split == "shared" else f"   (on {s.consensus_test_split})"
-    print(f"consensus test accuracy  {s.consensus_test_acc:.4f}{on}")
-    print(f"rank test accuracy       best {s.best_rank_acc:.4f}  worst {s.worst_rank_acc:.4f}  "
-          f"mean {s.mean_rank_acc:.4f}")
-    print(f"communities per round    {counts or '-'}" + (f"   (first-round ARI {ari:.3f})" if ari is not None else ""))
     disp = s.final_dispersion
-    print(f"final dispersion         {disp:.4g}" if disp is not None else "final dispersion         -",
-          f"  consensus reached at t={s.consensus_reached_t}" if s.consensus_reached_t else "  (no consensus stop)")
-    print(f"bytes sent per rank      {s.bytes_sent_mean / 1e6:.2f} MB (mean), {s.merges} merges; "
-          f"+{s.monitoring_bytes_mean / 1e6:.2f} MB evaluating the consensus model")
+    lines = [
+        f"\n== {s.name}: {s.strategy} on {s.world_size} ranks, {s.units} units, {s.rounds} rounds ==",
+        f"consensus test accuracy  {s.consensus_test_acc:.4f}{on}",
+        f"rank test accuracy       best {s.best_rank_acc:.4f}  worst {s.worst_rank_acc:.4f}  "
+        f"mean {s.mean_rank_acc:.4f}",
+        f"communities per round    {counts or '-'}" + (f"   (first-round ARI {ari:.3f})" if ari is not None else ""),
+        (f"final dispersion         {disp:.4g}" if disp is not None else "final dispersion         -")
+        + (f"   consensus reached at t={s.consensus_reached_t}" if s.consensus_reached_t else "   (no consensus stop)"),
+        f"bytes sent per rank      {s.bytes_sent_mean / 1e6:.2f} MB (mean), {s.merges} merges; "
+        f"+{s.monitoring_bytes_mean / 1e6:.2f} MB evaluating the consensus model",
+    ]
     if s.data_bytes_mean:
-        print(f"examples passed          {s.data_bytes_mean / 1e6:.2f} MB per rank (data, apart from the above)")
+        lines.append(f"examples passed          {s.data_bytes_mean / 1e6:.2f} MB per rank (data, apart from the above)")
     if s.examples:
         e = s.examples
-        print(f"examples                 {e['total']} held: {e['active']} active, {e['reserve']} reserve, "
-              f"{e['retired']} retired ({100 * e['retired_fraction']:.1f}%); {e['forgetting_events']} forgetting "
-              f"events; {e['globally_hard']} globally hard")
+        lines.append(f"examples                 {e['total']} held: {e['active']} active, {e['reserve']} reserve, "
+                     f"{e['retired']} retired ({100 * e['retired_fraction']:.1f}%); {e['forgetting_events']} "
+                     f"forgetting events; {e['globally_hard']} globally hard")
     if s.consensus_mode:
         m = s.consensus_mode
         what = (f"froze {m['communities']} communities at round {m['frozen_round']} (t={m['frozen_t']})"
                 if m["decision"] == "communities" else "kept annealing to one consensus")
-        print(f"consensus.mode {m['mode']:<9} {what}")
+        lines.append(f"consensus.mode {m['mode']:<9} {what}")
     if s.community_models:
         models = s.community_models["models"]
-        print(f"community models         {len(models)} in {run_dir / 'models'}: " + ", ".join(
+        lines.append(f"community models         {len(models)} in {run_dir / 'models'}: " + ", ".join(
             f"{e['community']}: {_acc(e['local_test_acc'])}" for e in models) + " (local test accuracy)")
     if s.local_test:
         lt = s.local_test
-        print(f"local test accuracy      {lt['delivered']} {_acc(lt['mean_acc'])} (mean over ranks); own models "
-              f"{_acc(lt['mean_own_acc'])}, consensus {_acc(lt['mean_consensus_acc'])}")
-    print(f"wall time                {s.wall_time:.1f}s: {split}")
-    print(f"results                  {run_dir}")
+        lines.append(f"local test accuracy      {lt['delivered']} {_acc(lt['mean_acc'])} (mean over ranks); own "
+                     f"models {_acc(lt['mean_own_acc'])}, consensus {_acc(lt['mean_consensus_acc'])}")
+    lines += [f"wall time                {s.wall_time:.1f}s: {split}", f"results                  {run_dir}"]
+    for line in lines:
+        log.info(line)
 
 
 def _acc(x: Optional[float]) -> str:

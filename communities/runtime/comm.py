@@ -259,6 +259,17 @@ class World:
         for key in self.COUNTERS:
             setattr(self, key, int(state[key]))
 
+    def close(self) -> None:
+        """End of a job that every rank reached together: stop the watchdog, free the roll call's communicator.
+
+        A process that runs several jobs one after another (the test suite's batches) would otherwise keep a
+        watchdog thread and a duplicate communicator per job.
+        """
+        self.watchdog.stop()
+        if self.roll.comm is not None:
+            self.roll.comm.Free()  # every rank calls it at the same point: after the job's last collective
+            self.roll.comm = None
+
     def set_timeout(self, timeout: float) -> None:
         """Arm (or re-arm) the watchdog, once the config is known."""
         self.watchdog.stop()
@@ -293,7 +304,8 @@ class World:
 
     @staticmethod
     def library_version() -> str:
-        return _mpi().Get_library_version().strip().splitlines()[0]
+        """The MPI library's first line of version text (Open MPI's ends in a NUL byte: removed)."""
+        return _mpi().Get_library_version().replace("\0", "").strip().splitlines()[0]
 
     # ---------------------------------------------------------------- staging
 

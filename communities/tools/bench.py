@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ..cli import hide_subcommands, plain_text
+
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools/ -> communities/ -> root)
 MB = 1 << 20
 
@@ -791,7 +793,7 @@ def bench_inspect(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="communities bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="communities bench", description=plain_text(__doc__))
     sub = parser.add_subparsers(dest="what", required=True)
 
     p = sub.add_parser("exchange", help="pairwise exchange vs raw Sendrecv (run under mpiexec -n 2)")
@@ -865,6 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("_profile-rank", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     p.add_argument("argv", nargs=argparse.REMAINDER)
+    hide_subcommands(sub, "_signature-one", "_profile-rank")
     return parser
 
 

@@ -4,20 +4,28 @@ Every rank loads the same dataset and computes the same partition from the same
 seed; it then keeps its own shard. The train/test split is shared.
 
 Datasets: ``digits`` (bundled with scikit-learn), ``mnist1d`` (generated locally),
-``synthetic`` (a Gaussian mixture), or a user's ``module:function`` returning
-``(x_train, y_train, x_test, y_test)``, or a dict with those keys and, to declare
+``synthetic`` (a Gaussian mixture), or a user's ``module:function`` (docs/plugins.md)
+returning ``(x_train, y_train, x_test, y_test)`` (numpy arrays or torch tensors),
+``(train_set, test_set)`` (torch ``Dataset``s of ``(x, y)`` pairs, read once into
+arrays), or a dict with the four arrays (or ``train``/``test``) and, to declare
 which ranks belong together (for the ARI of the communities against them),
 ``groups`` (one id per rank) or ``example_groups`` (one id per training example;
-a rank's group is the most common one in its shard).
+a rank's group is the most common one in its shard). The function gets only the
+keywords it accepts of ``seed``, ``root`` (``data.root``), ``rank`` and
+``world_size``; one that takes ``rank`` or ``world_size`` is a *sharded reader*:
+it returns this rank's own training shard, and no partition is applied.
 Partitions: ``iid``, ``dirichlet`` (alpha), ``label_groups`` (planted groups of
 ranks with disjoint label sets, ``purity`` of each shard from its group's labels).
-``prepare`` is the whole pipeline a rank (and ``communities export``) runs: load,
-partition, the concept shift of planted groups (``data.shift``, shift.py) and the
-local test split each rank holds out of its own shard (``data.local_test_fraction``).
+``arrange`` is what every rank (and ``communities export``, through ``prepare``) does
+with the loaded dataset: partition, the concept shift of planted groups (``data.shift``,
+shift.py) and the local test split each rank holds out of its own shard
+(``data.local_test_fraction``). The ranks compare fingerprints of the data as loaded
+(before the shift: a pure function of them, the config and the seed).
 """
 from __future__ import annotations
 
-import importlib
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -25,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
+from . import plugins
 from . import shift as concept_shift
 
 
@@ -37,9 +46,13 @@ class Dataset:
     name: str
     rank_groups: Optional[np.ndarray] = None  # declared by a user dataset: one group id per rank
     example_groups: Optional[np.ndarray] = None  # ... or one per training example
+    sharded: bool = False  # a sharded reader's: x_train/y_train are this rank's shard, not the whole training set
+    classes: Optional[int] = None  # set when the labels seen here may not cover every class (a sharded reader's)
 
     @property
     def n_classes(self) -> int:
+        if self.classes is not None:
+            return self.classes
         return int(max(self.y_train.max(), self.y_test.max())) + 1
 
     @property
@@ -102,34 +115,45 @@ def load_synthetic(cfg, test_fraction: float, seed: int) -> Dataset:
     return Dataset(xtr, ytr, xte, yte, "synthetic")
 
 
-def load_user(spec: str) -> Dataset:
-    mod_name, _, fn_name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise DataError(f"data.dataset={spec!r}: cannot import {fn_name!r} from {mod_name!r} ({exc})") from None
-    try:
-        out = fn()
-    except Exception as exc:  # the user's code: one line naming it on every rank, not a traceback per rank
-        raise DataError(f"data.dataset={spec!r}: {fn_name}() raised {type(exc).__name__}: {exc}") from exc
-    names = ("x_train", "y_train", "x_test", "y_test")
+DATASET_KEYWORDS = ("seed", "root", "rank", "world_size")
+SHARDED_KEYWORDS = ("rank", "world_size")  # a function that takes either reads its own shard
+ARRAY_KEYS = ("x_train", "y_train", "x_test", "y_test")
+GROUP_KEYS = ("groups", "example_groups")
+
+
+def load_user(spec: str, seed: int = 0, root: Optional[str] = None, rank: int = 0, world_size: int = 1) -> Dataset:
+    """The dataset a user's ``module:function`` returns, called with the keywords it accepts."""
+    key = "data.dataset"
+    fn = plugins.resolve(spec, key, DataError)
+    offered = {"seed": seed, "root": root, "rank": rank, "world_size": world_size}
+    kwargs = plugins.keywords(fn, offered, spec, key, plugins.DATASET_SIGNATURE, DataError)
+    sharded = plugins.names_any(fn, SHARDED_KEYWORDS)
+    out = plugins.call(fn, kwargs, spec, key, DataError)
     declared = {}
     if isinstance(out, dict):
-        extra = sorted(set(out) - set(names) - {"groups", "example_groups"})
+        sets = "train" in out or "test" in out
+        names = ("train", "test") if sets else ARRAY_KEYS
+        extra = sorted(set(out) - set(names) - set(GROUP_KEYS))
         missing = [k for k in names if k not in out]
         if extra or missing:
             raise DataError(f"data.dataset={spec!r} returned a dict " + (f"without {missing}" if missing else
-                            f"with unknown key(s) {extra}") + "; keys: x_train, y_train, x_test, y_test, "
-                            "and optionally groups (one per rank) or example_groups (one per training example)")
+                            f"with unknown key(s) {extra}") + "; keys: x_train, y_train, x_test, y_test (or train "
+                            "and test, two torch Datasets), and optionally groups (one per rank) or example_groups "
+                            "(one per training example)")
         if "groups" in out and "example_groups" in out:
             raise DataError(f"data.dataset={spec!r}: declare groups (per rank) or example_groups, not both")
-        declared = {k: _int_vector(spec, k, out[k]) for k in ("groups", "example_groups") if k in out}
+        declared = {k: _int_vector(spec, k, out[k]) for k in GROUP_KEYS if k in out}
         out = tuple(out[k] for k in names)
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        sets = (("the training set", out[0]), ("the test set", out[1]))
+        for which, dataset in sets:
+            _check_set(spec, which, dataset)
+        out = sum((_read_set(spec, which, dataset) for which, dataset in sets), ())
     if not isinstance(out, (tuple, list)) or len(out) != 4:
-        raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test) or a dict with "
-                        f"those keys, got {type(out).__name__}")
+        raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), (train_set, "
+                        f"test_set) or a dict with those keys, got {_kind(out)}")
     arrays = []
-    for name, a in zip(names, out):
+    for name, a in zip(ARRAY_KEYS, out):
         try:
             arr = np.asarray(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a)
         except Exception as exc:
@@ -144,11 +168,44 @@ def load_user(spec: str) -> Dataset:
         if y.dtype.kind == "f" and not (np.isfinite(y).all() and np.array_equal(y, np.round(y))):
             raise DataError(f"data.dataset={spec!r}: {name} holds non-integer labels; labels are class indices")
     ds = validate(Dataset(xtr.astype(np.float32), ytr.astype(np.int64), xte.astype(np.float32),
-                          yte.astype(np.int64), spec, declared.get("groups"), declared.get("example_groups")))
+                          yte.astype(np.int64), spec, declared.get("groups"), declared.get("example_groups"),
+                          sharded=sharded))
     if ds.example_groups is not None and len(ds.example_groups) != len(ds.y_train):
         raise DataError(f"data.dataset={spec!r}: example_groups has {len(ds.example_groups)} entries for "
                         f"{len(ds.y_train)} training examples")
     return ds
+
+
+def _kind(value) -> str:
+    return f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else type(value).__name__
+
+
+def _check_set(spec: str, which: str, dataset) -> None:
+    from torch.utils.data import Dataset as TorchDataset
+
+    if not isinstance(dataset, TorchDataset):
+        raise DataError(f"data.dataset={spec!r} returned two values, but {which} is {_kind(dataset)}, not a torch "
+                        "Dataset; return (x_train, y_train, x_test, y_test) or (train_set, test_set)")
+
+
+def _read_set(spec: str, which: str, dataset) -> Tuple[np.ndarray, np.ndarray]:
+    """A torch ``Dataset`` of ``(x, y)`` pairs read once into two arrays (features, labels)."""
+    from torch.utils.data import DataLoader
+
+    xs, ys = [], []
+    try:
+        for batch in DataLoader(dataset, batch_size=1024, shuffle=False):
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(f"an item is {_kind(batch)}, not an (x, y) pair")
+            xs.append(np.asarray(batch[0]))
+            ys.append(np.asarray(batch[1]))
+    except Exception as exc:
+        raise DataError(f"data.dataset={spec!r}: reading {which} failed ({type(exc).__name__}: {exc}); its items "
+                        "must be (features, label) pairs of tensors, arrays or numbers (a torchvision dataset "
+                        "needs transform=ToTensor())") from None
+    if not xs:
+        raise DataError(f"data.dataset={spec!r}: {which} is empty")
+    return np.concatenate(xs), np.concatenate(ys)
 
 
 def _int_vector(spec: str, key: str, value) -> np.ndarray:
@@ -199,8 +256,12 @@ def validate(ds: Dataset) -> Dataset:
     return ds
 
 
-def load(cfg, seed: int) -> Dataset:
-    """The dataset named by ``cfg`` (a DataConfig), standardised with train statistics."""
+def load(cfg, seed: int, rank: int = 0, world_size: int = 1) -> Dataset:
+    """The dataset named by ``cfg`` (a DataConfig), standardised with train statistics.
+
+    A sharded reader's dataset is not standardised here: its statistics are the whole
+    training set's, which no rank holds (``moments`` of every shard, summed over ranks).
+    """
     if cfg.dataset == "digits":
         ds = load_digits(cfg.test_fraction, seed)
     elif cfg.dataset == "mnist1d":
@@ -208,19 +269,66 @@ def load(cfg, seed: int) -> Dataset:
     elif cfg.dataset == "synthetic":
         ds = load_synthetic(cfg.synthetic, cfg.test_fraction, seed)
     else:
-        ds = load_user(cfg.dataset)
+        root = None if cfg.root is None else os.path.abspath(os.path.expanduser(cfg.root))
+        ds = load_user(cfg.dataset, seed, root, rank, world_size)
     ds = validate(ds)
-    if cfg.standardize:
-        axes = 0
-        mu = ds.x_train.mean(axis=axes, keepdims=True)
-        sd = ds.x_train.std(axis=axes, keepdims=True)
-        sd[sd < 1e-6] = 1.0
-        ds.x_train = ((ds.x_train - mu) / sd).astype(np.float32)
-        ds.x_test = ((ds.x_test - mu) / sd).astype(np.float32)
+    if cfg.standardize and not ds.sharded:
+        mu = ds.x_train.mean(axis=0, keepdims=True)
+        sd = ds.x_train.std(axis=0, keepdims=True)
+        standardize_(ds, mu, sd)
     return ds
 
 
+def standardize_(ds: Dataset, mu: np.ndarray, sd: np.ndarray) -> None:
+    """Features scaled to zero mean and unit variance by these per-feature statistics (constant features kept)."""
+    sd[sd < 1e-6] = 1.0
+    ds.x_train = ((ds.x_train - mu) / sd).astype(np.float32)
+    ds.x_test = ((ds.x_test - mu) / sd).astype(np.float32)
+
+
+def moments(x: np.ndarray) -> np.ndarray:
+    """``[n, sum of x per feature..., sum of x**2 per feature...]`` in float64: summed over shards, the whole set's."""
+    flat = x.reshape(len(x), -1).astype(np.float64)
+    return np.concatenate([[len(x)], flat.sum(axis=0), np.square(flat).sum(axis=0)])
+
+
+def standardize_by_moments_(ds: Dataset, total: np.ndarray) -> None:
+    """``standardize_`` with statistics from ``moments`` summed over every shard."""
+    n, f = total[0], (len(total) - 1) // 2
+    mu = total[1: 1 + f] / n
+    sd = np.sqrt(np.maximum(total[1 + f:] / n - mu * mu, 0.0))
+    shape = (1,) + ds.x_train.shape[1:]
+    standardize_(ds, mu.reshape(shape), sd.reshape(shape))
+
+
+def fingerprint(ds: Dataset) -> Tuple[str, str]:
+    """BLAKE2b digests (hex) of the training set and of the test split: ranks compare them at start-up."""
+    out = []
+    for arrays in ((ds.x_train, ds.y_train), (ds.x_test, ds.y_test)):
+        h = hashlib.blake2b(digest_size=16)
+        for a in arrays:
+            h.update(str(a.shape).encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+        out.append(h.hexdigest())
+    return out[0], out[1]
+
+
+def own_group(ds: Dataset, rank: int, world_size: int) -> Optional[int]:
+    """A sharded reader's declared group for this rank (its groups entry, or its examples' most common)."""
+    if ds.rank_groups is not None:
+        if len(ds.rank_groups) != world_size:
+            raise DataError(f"data.dataset={ds.name!r}: groups has {len(ds.rank_groups)} entries for "
+                            f"{world_size} ranks (one per rank)")
+        return int(ds.rank_groups[rank])
+    if ds.example_groups is not None:
+        ids, counts = np.unique(ds.example_groups, return_counts=True)
+        return int(ids[np.argmax(counts)])
+    return None
+
+
 # --------------------------------------------------------------------------- partitions
+
+SHARDED = "sharded"  # partition.json's partition of a sharded reader: each rank read its own shard
 
 
 def group_of_rank(rank: int, world: int, groups: int) -> int:
@@ -285,23 +393,28 @@ def _ensure_nonempty(shards: List[Shard], rng) -> List[Shard]:
 
 
 def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
-             local_tests: Optional[List[np.ndarray]] = None, shift: str = "none") -> dict:
-    """The ``partition.json`` record (``shift`` and ``local_test_sizes`` only when those are on)."""
-    n_classes = int(np.max(y)) + 1
+             label_counts: Optional[List[List[int]]] = None, local_test_sizes: Optional[List[int]] = None,
+             shift: str = "none") -> dict:
+    """The ``partition.json`` record (a sharded reader's: ``label_counts`` gathered from every rank; ``shift`` and
+    ``local_test_sizes`` only when those are on)."""
+    if label_counts is None:
+        n_classes = int(np.max(y)) + 1
+        label_counts = [np.bincount(y[s.indices], minlength=n_classes).tolist() for s in shards]
     groups = None if shards[0].group is None else [int(s.group) for s in shards]
+    sizes = [int(s.indices.size) for s in shards]
     out = {
         "partition": kind,
-        "n_classes": n_classes,
-        "n_train": int(len(y)),
+        "n_classes": len(label_counts[0]),
+        "n_train": sum(sizes) if kind == SHARDED else int(len(y)),
         "n_test": int(n_test),
         "groups": groups,
-        "shard_sizes": [int(s.indices.size) for s in shards],
-        "label_counts": [np.bincount(y[s.indices], minlength=n_classes).tolist() for s in shards],
+        "shard_sizes": sizes,
+        "label_counts": label_counts,
     }
     if shift != "none":
         out["shift"] = shift
-    if local_tests is not None and any(t.size for t in local_tests):
-        out["local_test_sizes"] = [int(t.size) for t in local_tests]
+    if local_test_sizes is not None and any(local_test_sizes):
+        out["local_test_sizes"] = [int(n) for n in local_test_sizes]
     return out
 
 
@@ -313,21 +426,30 @@ def hold_out(shards: List[Shard], fraction: float, seed: int) -> Tuple[List[Shar
 
     ``fraction`` 0 returns the shards unchanged and empty test sets. Otherwise every
     rank holds out ``round(fraction * n)`` of its n examples, at least one, and
-    keeps at least one to train on.
+    keeps at least one to train on (``split_local``).
     """
     if fraction <= 0:
         return shards, [np.zeros(0, dtype=np.int64) for _ in shards]
     train, tests = [], []
     for r, s in enumerate(shards):
-        n = s.indices.size
-        if n < 2:
-            raise DataError(f"data.local_test_fraction={fraction}: rank {r}'s shard holds {n} example(s), too few "
-                            "to hold out a local test split and still train")
-        k = min(max(int(round(fraction * n)), 1), n - 1)
-        perm = np.random.default_rng([seed, 31, r]).permutation(n)
-        tests.append(np.sort(s.indices[perm[:k]]))
-        train.append(Shard(np.sort(s.indices[perm[k:]]), s.group))
+        kept, test = split_local(s.indices, fraction, seed, r)
+        tests.append(test)
+        train.append(Shard(kept, s.group))
     return train, tests
+
+
+def split_local(indices: np.ndarray, fraction: float, seed: int, rank: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(training, local test) indices of rank ``rank``'s shard ``indices``: ``hold_out`` for one rank, which is all a
+    sharded reader's rank can compute (it holds only its own shard)."""
+    n = indices.size
+    if fraction <= 0:
+        return indices, np.zeros(0, dtype=np.int64)
+    if n < 2:
+        raise DataError(f"data.local_test_fraction={fraction}: rank {rank}'s shard holds {n} example(s), too few "
+                        "to hold out a local test split and still train")
+    k = min(max(int(round(fraction * n)), 1), n - 1)
+    perm = np.random.default_rng([seed, 31, rank]).permutation(n)
+    return np.sort(indices[perm[k:]]), np.sort(indices[perm[:k]])
 
 
 @dataclass
@@ -352,10 +474,9 @@ def shifted(ds: Dataset, shards: List[Shard], kind: str, groups: int, seed: int)
     return Dataset(xtr, ytr, xte, yte, ds.name, ds.rank_groups, ds.example_groups)
 
 
-def prepare(cfg, seed: int, world: int) -> Prepared:
-    """Load ``cfg`` (a DataConfig), partition it over ``world`` ranks, shift the planted groups, hold out local
-    tests."""
-    ds = load(cfg, seed)
+def arrange(ds: Dataset, cfg, seed: int, world: int) -> Prepared:
+    """A loaded dataset (not a sharded reader's) partitioned over ``world`` ranks by ``cfg`` (a DataConfig), the
+    planted groups shifted, the local tests held out: what every rank computes alike, for all N ranks."""
     shards = partition(ds.y_train, world, cfg.partition, seed, cfg.alpha, cfg.groups, cfg.purity)
     declared = declared_groups(ds, shards)
     if declared is not None:  # the user's own notion of which ranks belong together
@@ -365,3 +486,12 @@ def prepare(cfg, seed: int, world: int) -> Prepared:
         ds = shifted(ds, shards, cfg.shift, cfg.groups, seed)
     shards, local_tests = hold_out(shards, cfg.local_test_fraction, seed)
     return Prepared(ds, shards, local_tests)
+
+
+def prepare(cfg, seed: int, world: int) -> Prepared:
+    """Load ``cfg`` (a DataConfig) and ``arrange`` it over ``world`` ranks (``communities export``'s pipeline)."""
+    ds = load(cfg, seed)
+    if ds.sharded:
+        raise DataError(f"data.dataset={cfg.dataset!r} is a sharded reader (it takes rank or world_size): only each "
+                        "rank holds its own shard, so every rank's data cannot be rebuilt in one process")
+    return arrange(ds, cfg, seed, world)

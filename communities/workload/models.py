@@ -1,5 +1,8 @@
 """Built-in models (an MLP, the MNIST-1D 1-D CNN) and a user's ``module:function``.
 
+A user's model function is called as ``fn(input_shape=..., n_classes=...)``
+(``plugins.MODEL_SIGNATURE``; docs/plugins.md) and must return an ``nn.Module``.
+
 ``flatten_`` moves every parameter and floating buffer into one contiguous flat
 tensor and makes the modules' tensors views of it: the flat tensor *is* the
 model, so an exchange sends it as one buffer with no packing, and a merge is one
@@ -7,13 +10,13 @@ model, so an exchange sends it as one buffer with no packing, and a merge is one
 """
 from __future__ import annotations
 
-import importlib
 from typing import Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..errors import ModelError
+from . import plugins
 
 
 class MLP(nn.Module):
@@ -73,14 +76,15 @@ def build(cfg, input_shape: Tuple[int, ...], n_classes: int) -> nn.Module:
         return MLP(features, n_classes, cfg.hidden, cfg.dropout, cfg.batchnorm)
     if cfg.name == "cnn1d":
         return CNN1D(features, n_classes, cfg.channels, cfg.batchnorm)
-    mod_name, _, fn_name = cfg.name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise ModelError(f"model.name={cfg.name!r}: cannot import {fn_name!r} from {mod_name!r} ({exc})") from None
-    model = fn(input_shape=input_shape, n_classes=n_classes)
+    key = "model.name"
+    fn = plugins.resolve(cfg.name, key, ModelError)
+    offered = {"input_shape": tuple(int(s) for s in input_shape), "n_classes": int(n_classes)}
+    kwargs = plugins.keywords(fn, offered, cfg.name, key, plugins.MODEL_SIGNATURE, ModelError,
+                              required=("input_shape", "n_classes"))
+    model = plugins.call(fn, kwargs, cfg.name, key, ModelError)
     if not isinstance(model, nn.Module):
-        raise ModelError(f"model.name={cfg.name!r} must return a torch.nn.Module, got {type(model).__name__}")
+        raise ModelError(f"model.name={cfg.name!r} must return a torch.nn.Module ({plugins.MODEL_SIGNATURE}), "
+                         f"got {type(model).__name__}")
     return model
 
 
@@ -88,9 +92,17 @@ def check_output(model: nn.Module, sample: torch.Tensor, n_classes: int, name: s
     """One forward pass on a small batch: the logits must be (batch, n_classes)."""
     was = model.training
     model.eval()
-    with torch.no_grad():
-        out = model(sample)
-    model.train(was)
+    try:
+        with torch.no_grad():
+            out = model(sample)
+    except Exception as exc:  # the user's forward(): one line naming the model
+        raise ModelError(f"model.name={name!r}: a forward pass on a batch of shape {tuple(sample.shape)} raised "
+                         f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        model.train(was)
+    if not isinstance(out, torch.Tensor):
+        raise ModelError(f"model.name={name!r}: forward() returns {type(out).__name__}; expected a tensor of logits "
+                         f"({sample.shape[0]}, n_classes)")
     if out.ndim != 2 or out.shape != (sample.shape[0], n_classes):
         raise ModelError(
             f"model.name={name!r} returns shape {tuple(out.shape)} for a batch of {sample.shape[0]}; "

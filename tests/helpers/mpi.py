@@ -1,13 +1,16 @@
 """Shared test helpers: running the engine and small MPI scripts under a real mpiexec."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Dict, NamedTuple, Sequence
 
 import pytest
 
@@ -25,30 +28,44 @@ def mpiexec() -> str:
     return found
 
 
-def mpi_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
-    return env
+def mpi_env(**extra: str) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MPLBACKEND="Agg", **extra)
 
 
-def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` on n ranks; kill the whole process group on timeout so nothing hangs."""
-    cmd = [mpiexec(), "-n", str(n)]
-    if "Open MPI" in _mpi_flavour():
-        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    cmd += [sys.executable] + [str(a) for a in args]
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+def run_command(cmd, timeout: float, what: str, cwd=None, check: bool = True, env=None, on_timeout=None
+                ) -> subprocess.CompletedProcess:
+    """Run an ``mpiexec`` command line in its own session; kill the whole process group on timeout (no hang),
+    then call ``on_timeout`` (for ranks that left the group)."""
+    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(**(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        if on_timeout is not None:
+            on_timeout()
         out, err = proc.communicate()
-        raise AssertionError(f"mpiexec -n {n} {args} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}") \
-            from None
+        raise AssertionError(f"{what} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}") from None
     res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and proc.returncode != 0:
-        raise AssertionError(f"mpiexec -n {n} {args} exited {proc.returncode}\n{out[-4000:]}\n{err[-4000:]}")
+        raise AssertionError(f"{what} exited {proc.returncode}\n{out[-4000:]}\n{err[-4000:]}")
     return res
+
+
+def mpi_command(n: int, args, program=None) -> list:
+    """``mpiexec -n N python ARGS`` (or ``PROGRAM ARGS``) of this environment (Open MPI: oversubscribed, root
+    allowed)."""
+    cmd = [mpiexec(), "-n", str(n)]
+    if "Open MPI" in _mpi_flavour():
+        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    return cmd + [str(program or sys.executable)] + [str(a) for a in args]
+
+
+def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True,
+            program=None) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` (or ``PROGRAM ARGS``) on n ranks; kill the whole process group on timeout so nothing
+    hangs."""
+    return run_command(mpi_command(n, args, program), timeout, f"mpiexec -n {n} {args}", cwd=cwd, check=check)
 
 
 _FLAVOUR = None
@@ -64,12 +81,84 @@ def _mpi_flavour() -> str:
     return _FLAVOUR
 
 
+def engine_args(config, root: Path, *overrides, extra=()) -> list:
+    """The arguments of ``communities run CONFIG output.root=ROOT --no-progress EXTRA OVERRIDES``."""
+    path = str(ROOT / config) if not Path(config).is_absolute() else str(config)
+    return ["run", path, f"output.root={root}", "--no-progress", *extra, *overrides]
+
+
 def run_engine(n: int, config: str, tmp_path: Path, *overrides, timeout: float = 300, check: bool = True,
                extra=()) -> subprocess.CompletedProcess:
     """``communities run CONFIG output.root=TMP overrides...`` on n ranks."""
-    args = ["-m", "communities", "run", str(ROOT / config) if not Path(config).is_absolute() else config,
-            f"output.root={tmp_path}", "--no-progress", *extra, *overrides]
-    return run_mpi(n, args, timeout=timeout, check=check)
+    return run_mpi(n, ["-m", "communities", *engine_args(config, tmp_path, *overrides, extra=extra)],
+                   timeout=timeout, check=check)
+
+
+class Job(NamedTuple):
+    """One ``communities run`` of a batch: its config, output root, overrides and extra options."""
+
+    config: object
+    root: Path
+    overrides: Sequence[str] = ()
+    extra: Sequence[str] = ()
+
+
+def run_batch(n: int, jobs: Dict[str, Job], timeout: float = 600, check: bool = True, env=None
+              ) -> Dict[str, subprocess.CompletedProcess]:
+    """Run several engine jobs on n ranks in one mpiexec (tests/helpers/batch.py): one start-up for all.
+
+    Returns each job's result as ``run_engine`` would (exit code: the highest over the ranks; stdout and
+    stderr: every rank's, in rank order). ``check`` raises for a job that did not exit 0. A job that
+    crashes a rank aborts the batch, like its own job: the error names the job that was running.
+    """
+    with tempfile.TemporaryDirectory(prefix="batch_") as tmp:
+        out = Path(tmp)
+        spec = [{"name": name, "argv": engine_args(j.config, j.root, *j.overrides, extra=j.extra)}
+                for name, j in jobs.items()]
+        (out / "jobs.json").write_text(json.dumps(spec))
+        res = run_command(mpi_command(n, [ROOT / "tests" / "helpers" / "batch.py", out / "jobs.json", out]),
+                          timeout, f"batch of {len(jobs)} runs on {n} ranks", check=False, env=env)
+
+        def read(name: str, kind: str) -> str:
+            return "".join(p.read_text() for p in (out / f"{name}.{r}.{kind}" for r in range(n)) if p.exists())
+
+        results = {}
+        for name in jobs:
+            code_file = out / f"{name}.code"
+            if not code_file.exists():
+                raise AssertionError(f"batch job {name!r} did not finish (mpiexec exited {res.returncode})\n"
+                                     f"{read(name, 'out')[-3000:]}\n{read(name, 'err')[-3000:]}\n{res.stderr[-3000:]}")
+            code = max(json.loads(code_file.read_text()))
+            results[name] = subprocess.CompletedProcess(name, code, read(name, "out"), read(name, "err"))
+            if check and code != 0:
+                raise AssertionError(f"batch job {name!r} exited {code}\n{results[name].stdout[-3000:]}\n"
+                                     f"{results[name].stderr[-3000:]}")
+        return results
+
+
+class TinyRuns:
+    """A batch of runs of the tiny config (tests/conftest.py): ``runs[name]`` is a job's run directory,
+    ``runs.result[name]`` its output and exit code, ``runs.config`` the config file they ran."""
+
+    def __init__(self, root: Path, config: Path, results: Dict[str, subprocess.CompletedProcess]):
+        self.root, self.config, self.result = root, config, results
+
+    def __getitem__(self, name: str) -> Path:
+        return self.root / name / "tiny"
+
+
+def tiny_batch(tmp_path_factory, label: str, n: int, jobs: Dict[str, Sequence[str]], timeout: float = 840,
+               check: bool = True) -> TinyRuns:
+    """Run ``{name: overrides}`` of the tiny config on n ranks in one batch (``run_batch``), each under its own
+    output root; for a module-scoped fixture."""
+    from tests.conftest import TINY
+
+    root = tmp_path_factory.mktemp(label)
+    config = root / "tiny.yaml"
+    config.write_text(TINY)
+    results = run_batch(n, {name: Job(config, root / name, overrides) for name, overrides in jobs.items()},
+                        timeout=timeout, check=check)
+    return TinyRuns(root, config, results)
 
 
 def initial_mean_and_final(config_path: Path, n: int, run_dir: Path):

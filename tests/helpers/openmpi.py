@@ -5,18 +5,26 @@ second virtual environment (``make ompi`` builds ``.venv-ompi``; ``make test``
 builds it too). Tests that need it call ``ompi_python()``; where the
 environment is missing they skip with the command that makes it, unless CI is
 set, where they fail: CI must really run them.
+
+``own_sessions=True`` starts each rank as the leader of a session of its own
+(``setsid -w``), as MPICH's launcher does. Linux schedules each session as one
+group (autogroup), so on a machine shared with other jobs the ranks of one
+Open MPI job otherwise share a single group's CPU (README, "Open MPI and MPICH").
+The launcher's signals then reach ``setsid``, not the rank: not for tests that
+signal or kill ranks.
 """
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Sequence
 
 import pytest
 
-from .mpi import ROOT, mpi_env
+from .mpi import ROOT, run_command
 from .slurm_cluster import in_ci
 
 OMPI_VENV = Path(os.environ.get("COMMUNITIES_OMPI_VENV", ROOT / ".venv-ompi"))
@@ -36,7 +44,7 @@ def ompi_python() -> Path:
     return python
 
 
-def ompi_command(n: int, args: Sequence[str], ulfm: bool = False) -> list:
+def ompi_command(n: int, args: Sequence[str], ulfm: bool = False, own_sessions: bool = False) -> list:
     """``mpiexec -n N [ULFM flags] python ARGS`` of the Open MPI environment (oversubscribed; as root allowed)."""
     python = ompi_python()
     cmd = [str(python.parent / "mpiexec"), "-n", str(n), "--oversubscribe"]
@@ -44,31 +52,39 @@ def ompi_command(n: int, args: Sequence[str], ulfm: bool = False) -> list:
         cmd.append("--allow-run-as-root")
     if ulfm:
         cmd += list(ULFM_FLAGS)
+    if own_sessions:
+        cmd += ["setsid", "-w", "setpriv", "--pdeathsig", "KILL"]  # the rank dies with its setsid
     return cmd + [str(python)] + [str(a) for a in args]
 
 
+MARK = "COMMUNITIES_TEST_JOB"  # in the environment of every rank of one job (own_sessions: to find them on a timeout)
+
+
+def _kill_marked(mark: str) -> None:
+    """SIGKILL every process whose environment holds ``MARK=mark`` (ranks in sessions of their own)."""
+    needle = f"{MARK}={mark}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
+
+
 def run_ompi(n: int, args: Sequence[str], timeout: float = 240, ulfm: bool = False, check: bool = True,
-             cwd=None) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` on n ranks under Open MPI; kill the process group on timeout so nothing hangs."""
-    cmd = ompi_command(n, args, ulfm)
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"Open MPI mpiexec -n {n} {args} timed out after {timeout}s\n{out[-3000:]}\n"
-                             f"{err[-3000:]}") from None
-    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"Open MPI mpiexec -n {n} {args} exited {proc.returncode}\n{out[-4000:]}\n"
-                             f"{err[-4000:]}")
-    return res
+             cwd=None, own_sessions: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` on n ranks under Open MPI; kill the process group (and, with ``own_sessions``, every
+    rank) on timeout so nothing hangs."""
+    mark = uuid.uuid4().hex
+    return run_command(ompi_command(n, args, ulfm, own_sessions), timeout, f"Open MPI mpiexec -n {n} {args}",
+                       cwd=cwd, check=check, env={MARK: mark}, on_timeout=lambda: _kill_marked(mark))
 
 
 def run_engine_ompi(n: int, config, tmp_path: Path, *overrides, timeout: float = 300, ulfm: bool = False,
-                    check: bool = True, extra=()) -> subprocess.CompletedProcess:
+                    check: bool = True, extra=(), own_sessions: bool = False) -> subprocess.CompletedProcess:
     """``communities run CONFIG output.root=TMP overrides...`` on n ranks under Open MPI."""
     args = ["-m", "communities", "run", str(config), f"output.root={tmp_path}", "--no-progress", *extra, *overrides]
-    return run_ompi(n, args, timeout=timeout, ulfm=ulfm, check=check)
+    return run_ompi(n, args, timeout=timeout, ulfm=ulfm, check=check, own_sessions=own_sessions)

@@ -88,3 +88,10 @@ def not_deterministic():
     x = rng.normal(size=(300, 6)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)
     return x[:240], y[:240], x[240:], y[240:]
+
+
+def wrong_signature(width, depth):
+    """A model function whose parameters are not (input_shape, n_classes): exit 2 naming it, no MPI_Abort."""
+    import torch
+
+    return torch.nn.Linear(width, depth)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from communities.results import open_run
-from tests.helpers.mpi import initial_mean_and_final, run_engine
+from tests.helpers.mpi import Job, initial_mean_and_final, run_batch, run_engine
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)
 
 DIGITS = """
 name: faults
@@ -24,12 +24,22 @@ consensus: {stop: false}
 """
 
 
+HOSTILE = {kind: ["faults.hostile_rank=6", f"faults.hostile_kind={kind}", "faults.hostile_scale=-10"]
+           for kind in ("scale", "random")}
+
+
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
+    """The 8-rank digits runs of this module, in one batch: clean, NaN, quarantine, hostile with robust off/on."""
     root = tmp_path_factory.mktemp("faults")
     cfg = root / "faults.yaml"
     cfg.write_text(DIGITS)
-    run_engine(8, cfg, root / "clean")
+    jobs = {"clean": [], "nan": ["faults.nan_rank=3", "faults.nan_at=12"],
+            "nan_robust": ["faults.nan_rank=3", "faults.nan_at=12", "robust.enabled=true"],
+            "q": ["faults.nan_rank=5", "faults.nan_at=12", "robust.diverged=quarantine"],
+            **{f"off_{k}": v for k, v in HOSTILE.items()},
+            **{f"on_{k}": [*v, "robust.enabled=true"] for k, v in HOSTILE.items()}}
+    run_batch(8, {name: Job(cfg, root / name, overrides) for name, overrides in jobs.items()}, timeout=1700)
     clean = json.loads((root / "clean" / "faults" / "summary.json").read_text())
     return cfg, root, clean
 
@@ -40,7 +50,6 @@ def summary(root):
 
 def test_a_nan_rank_never_poisons_the_consensus(digits):
     cfg, root, clean = digits
-    run_engine(8, cfg, root / "nan", "faults.nan_rank=3", "faults.nan_at=12")
     s = summary(root / "nan")
     w = torch.load(root / "nan" / "faults" / "consensus.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in w.values())
@@ -55,7 +64,6 @@ def test_a_nan_rank_is_still_reset_when_outliers_are_excluded(digits):
     """robust.enabled leaves signature outliers out of the exchanges; a NaN rank must stay in them, or no
     partner could ever reset it and its shard would be lost for the rest of the run."""
     cfg, root, clean = digits
-    run_engine(8, cfg, root / "nan_robust", "faults.nan_rank=3", "faults.nan_at=12", "robust.enabled=true")
     s = summary(root / "nan_robust")
     assert s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.01
     run = open_run(root / "nan_robust" / "faults")
@@ -66,7 +74,6 @@ def test_a_nan_rank_is_still_reset_when_outliers_are_excluded(digits):
 
 def test_quarantine_leaves_the_diverged_rank_out(digits):
     cfg, root, clean = digits
-    run_engine(8, cfg, root / "q", "faults.nan_rank=5", "faults.nan_at=12", "robust.diverged=quarantine")
     s = summary(root / "q")
     assert np.isfinite(s["consensus_test_acc"]) and s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.02
     assert any(m["event"] == "quarantined" and m["i"] == 5 for m in open_run(root / "q" / "faults").merges())
@@ -76,9 +83,6 @@ def test_quarantine_leaves_the_diverged_rank_out(digits):
 def test_a_hostile_rank_is_isolated_by_the_robust_option(digits, kind):
     """A rank that sends -10 x its weights (sign-flip scaling) or random weights of the same norm."""
     cfg, root, clean = digits
-    common = ["faults.hostile_rank=6", f"faults.hostile_kind={kind}", "faults.hostile_scale=-10"]
-    run_engine(8, cfg, root / f"off_{kind}", *common)
-    run_engine(8, cfg, root / f"on_{kind}", *common, "robust.enabled=true")
     off, on = summary(root / f"off_{kind}"), summary(root / f"on_{kind}")
     print(f"{kind}: clean {clean['consensus_test_acc']:.4f}  robust off {off['consensus_test_acc']:.4f}  "
           f"robust on {on['consensus_test_acc']:.4f}")

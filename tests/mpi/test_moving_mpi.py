@@ -8,12 +8,25 @@ import pytest
 import torch
 
 from communities.engine import checkpoint
-from tests.helpers.mpi import finish, initial_mean_and_final, run_engine, run_mpi, start, wait_for
+from tests.helpers.mpi import finish, initial_mean_and_final, run_engine, run_mpi, start, tiny_batch, wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 MOVING = ["examples.track=true", "examples.retire=true", "examples.pass_hard=true", "examples.eval_every=2",
           "examples.pass_fraction=0.1", "examples.tau_retire=0.9"]
+RESUMED = [*MOVING, "signature.kind=logits", "merge.rule=swap", "merge.partner_policy=least_recent",
+           "train.budget=150", "checkpoint.every=10"]
+SWAP_LR0 = ["train.lr=0", "train.momentum=0", "model.init=per_rank", "merge.rule=swap",
+            "merge.partner_policy=least_recent", "strategy=gossip", "train.budget=30"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's uninterrupted 4-rank runs, in one batch."""
+    return tiny_batch(tmp_path_factory, "moving", 4, {
+        "moves": [*MOVING, "signature.kind=cka", "comm.check_hashes=true"],
+        "keep": [*MOVING, "examples.handover=false", "examples.retire=false"],
+        "reference": RESUMED, "swap_lr0": SWAP_LR0})
 
 
 def final_tables(run: Path, n: int):
@@ -31,12 +44,11 @@ def test_passed_examples_arrive_intact(mode):
     assert res.stdout.count("ok ") == 2, res.stdout
 
 
-def test_engine_moves_data_conserves_it_and_logs_it(tmp_path, tiny_config):
+def test_engine_moves_data_conserves_it_and_logs_it(runs):
     n = 4
     # comm.check_hashes (on by default) allgathers a digest of each round's communities and of the 1 - CKA
     # distances they were cut from: had any rank derived another CKA matrix, the run would stop with an error
-    run_engine(n, tiny_config, tmp_path, *MOVING, "signature.kind=cka", "comm.check_hashes=true")
-    run = tmp_path / "tiny"
+    run = runs["moves"]
     s = json.loads((run / "summary.json").read_text())
     part = json.loads((run / "partition.json").read_text())
     tables = final_tables(run, n)
@@ -57,9 +69,8 @@ def test_engine_moves_data_conserves_it_and_logs_it(tmp_path, tiny_config):
     assert rounds and json.loads((rounds[0] / "round.json").read_text())["n_communities"] >= 1
 
 
-def test_keep_copy_mode_grows_shards_without_duplicates(tmp_path, tiny_config):
-    run_engine(4, tiny_config, tmp_path, *MOVING, "examples.handover=false", "examples.retire=false")
-    run = tmp_path / "tiny"
+def test_keep_copy_mode_grows_shards_without_duplicates(runs):
+    run = runs["keep"]
     e = json.loads((run / "summary.json").read_text())["examples"]
     tables = final_tables(run, 4)
     for t in tables:
@@ -68,36 +79,31 @@ def test_keep_copy_mode_grows_shards_without_duplicates(tmp_path, tiny_config):
     assert e["total"] > 600 and e["passed_in"] > 0  # 800 synthetic examples, 25% held out for the test set
 
 
-def test_resume_with_moving_data_is_bitwise(tmp_path, tiny_config):
-    args = [*MOVING, "signature.kind=logits", "merge.rule=swap", "merge.partner_policy=least_recent",
-            "train.budget=150", "checkpoint.every=10"]
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    run_engine(4, tiny_config, ref, *args)
+def test_resume_with_moving_data_is_bitwise(tmp_path, tiny_config, runs):
+    args = RESUMED
+    ref, cut = runs["reference"], tmp_path / "cut"
     proc = start(4, tiny_config, cut, *args)
     wait_for(cut / "tiny" / "checkpoints" / "latest", proc)
     (cut / "tiny" / "STOP").touch()
     rc, out, err = finish(proc)
     assert rc == 75, err[-3000:]
     run_engine(4, tiny_config, cut, *args, extra=["--resume"])
-    a = torch.load(ref / "tiny" / "consensus.pt", weights_only=True)
+    a = torch.load(ref / "consensus.pt", weights_only=True)
     b = torch.load(cut / "tiny" / "consensus.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    ea = json.loads((ref / "tiny" / "summary.json").read_text())["examples"]
+    ea = json.loads((ref / "summary.json").read_text())["examples"]
     eb = json.loads((cut / "tiny" / "summary.json").read_text())["examples"]
     assert ea == eb
-    ta, tb = final_tables(ref / "tiny", 4), final_tables(cut / "tiny", 4)
+    ta, tb = final_tables(ref, 4), final_tables(cut / "tiny", 4)
     assert all(torch.equal(x["ids"], y["ids"]) and torch.equal(x["confidence"], y["confidence"])
                for x, y in zip(ta, tb))
 
 
-def test_swap_with_least_recent_policy_conserves_the_mean(tmp_path, tiny_config):
+def test_swap_with_least_recent_policy_conserves_the_mean(runs):
     """Swaps permute whole models: with no training the mean over ranks never moves."""
-    n = 4
-    run_engine(n, tiny_config, tmp_path, "train.lr=0", "train.momentum=0", "model.init=per_rank",
-               "merge.rule=swap", "merge.partner_policy=least_recent", "strategy=gossip", "train.budget=30")
-    mean0, final_mean, _ = initial_mean_and_final(tiny_config, n, tmp_path / "tiny")
+    mean0, final_mean, _ = initial_mean_and_final(runs.config, 4, runs["swap_lr0"])
     assert torch.allclose(final_mean, mean0, atol=1e-6)
-    merges = [json.loads(x) for x in (tmp_path / "tiny" / "merges.jsonl").read_text().splitlines()]
+    merges = [json.loads(x) for x in (runs["swap_lr0"] / "merges.jsonl").read_text().splitlines()]
     assert merges and all(m["a"] == 1.0 for m in merges if m["event"] == "merge")
 
 

@@ -1,20 +1,66 @@
 """The engine under a real mpiexec: results layout and the invariants of DESIGN.md.
 
-Every run has a timeout that kills the whole process group, so a hang fails the
-test instead of stalling CI.
+The runs of this module go in one batch per world size (tests/helpers/batch.py:
+each through the command line's entry, one start-up per batch); every batch and
+run has a timeout that kills the whole process group, so a hang fails the test
+instead of stalling CI.
 """
 import json
-import re
 
 import numpy as np
 import pytest
 import torch
 
-from communities import config
 from communities.results import open_run
-from tests.helpers.mpi import initial_mean_and_final, run_engine
+from tests.helpers.mpi import initial_mean_and_final, run_engine, tiny_batch
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
+
+OTHER_STRATEGIES = ["gossip", "ring", "isolated"]
+VARIANTS = {
+    "clock_average": ["merge.rule=clock", "merge.optimizer_state=average"],
+    "swap_reset": ["merge.rule=swap", "merge.optimizer_state=reset"],
+    "ema_outer_adamw_bn": ["merge.rule=ema", "merge.outer.enabled=true", "train.optimizer=adamw", "train.lr=0.01",
+                           "model.batchnorm=true"],
+    "hierarchical_maxclust": ["partners.law=hierarchical", "clustering.cut=maxclust",
+                              "clustering.k={start: 2, end: 1, horizon: 30}"],
+    "overlap_gaussian": ["signature.overlap=true", "signature.kind=gaussian"],
+}
+GLOBAL = {"local_sgd": ["merge.period=3"],
+          "diloco": ["merge.period=3", "train.optimizer=adamw", "train.lr=0.01"],
+          "allreduce": ["train.unit=epoch"]}
+UPDATE_STOP = ["consensus.stop=true", "consensus.tol=0.5", "consensus.patience=1", "train.budget=60"]
+
+
+def batch(tmp_path_factory, n, jobs):
+    runs = tiny_batch(tmp_path_factory, f"engine{n}", n, jobs, check=False)
+    for name, res in runs.result.items():
+        assert name == "config_error" or res.returncode == 0, (name, res.stdout[-2000:], res.stderr[-3000:])
+    return runs
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """Every 4-rank run of this module, in one batch."""
+    jobs = {"default": [], "again": [], "seed4": ["seed=4"],
+            "lr0": ["train.lr=0", "train.momentum=0", "model.init=per_rank", "strategy=gossip", "train.budget=60",
+                    "merge.lam=1"],
+            **{s: [f"strategy={s}", "train.budget=20"] for s in OTHER_STRATEGIES},
+            **{v: ["train.budget=30", *extra] for v, extra in VARIANTS.items()},
+            "config_error": ["merge.lam=0.2"],
+            "update_dispersion": UPDATE_STOP, "update_tol": [*UPDATE_STOP, "consensus.update_tol=1e-9"],
+            "declared_groups": ["data.dataset=tests.helpers.user_fns:declared_rank_groups", "data.partition=iid",
+                                "train.budget=10", "name=tiny"]}
+    return batch(tmp_path_factory, 4, jobs)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """Every 3-rank run of this module, in one batch."""
+    jobs = {"default": [], **{s: [f"strategy={s}", "train.budget=12", *extra] for s, extra in GLOBAL.items()},
+            "not_deterministic": ["data.dataset=tests.helpers.user_fns:not_deterministic", "data.partition=iid",
+                                  "train.budget=5", "name=tiny", "data.on_mismatch=warn"]}
+    return batch(tmp_path_factory, 3, jobs)
 
 
 def consensus_weights(run_dir):
@@ -22,9 +68,8 @@ def consensus_weights(run_dir):
 
 
 @pytest.mark.parametrize("n", [4, 3])
-def test_run_writes_the_results_layout(tmp_path, tiny_config, n):
-    run_engine(n, tiny_config, tmp_path)
-    run = open_run(tmp_path / "tiny")
+def test_run_writes_the_results_layout(four, three, n):
+    run = open_run({4: four, 3: three}[n]["default"])
     assert run.complete and run.world_size == n
     for f in ("config.yaml", "meta.json", "partition.json", "metrics.jsonl", "merges.jsonl", "consensus.jsonl",
               "consensus.pt", "summary.json"):
@@ -49,39 +94,29 @@ def test_run_writes_the_results_layout(tmp_path, tiny_config, n):
     assert set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other"}
 
 
-def test_same_seed_gives_bitwise_identical_consensus(tmp_path, tiny_config):
-    a, b = tmp_path / "a", tmp_path / "b"
-    run_engine(4, tiny_config, a)
-    run_engine(4, tiny_config, b)
-    wa, wb = consensus_weights(a / "tiny"), consensus_weights(b / "tiny")
+def test_same_seed_gives_bitwise_identical_consensus(four):
+    wa, wb = consensus_weights(four["default"]), consensus_weights(four["again"])
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    c = tmp_path / "c"
-    run_engine(4, tiny_config, c, "seed=4")
-    wc = consensus_weights(c / "tiny")
+    wc = consensus_weights(four["seed4"])
     assert not all(torch.equal(wa[k], wc[k]) for k in wa)
 
 
-def test_lr0_gossip_reaches_the_initial_mean(tmp_path, tiny_config):
+def test_lr0_gossip_reaches_the_initial_mean(four):
     """With lr = 0 and different initial weights, symmetric merges drive all ranks to the initial mean."""
-    n = 4
-    run_engine(n, tiny_config, tmp_path, "train.lr=0", "train.momentum=0", "model.init=per_rank",
-               "strategy=gossip", "train.budget=60", "merge.lam=1")
-    mean0, final_mean, spread0 = initial_mean_and_final(tiny_config, n, tmp_path / "tiny")
-    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    mean0, final_mean, spread0 = initial_mean_and_final(four.config, 4, four["lr0"])
+    s = json.loads((four["lr0"] / "summary.json").read_text())
     assert torch.allclose(final_mean, mean0, atol=1e-5)  # the mean is conserved
     assert s["consensus_distance"] < 1e-3 * spread0  # and every rank is at it
 
 
-def test_planted_groups_are_recovered_by_the_first_round(tmp_path, tiny_config):
-    run_engine(4, tiny_config, tmp_path)
-    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+def test_planted_groups_are_recovered_by_the_first_round(four):
+    s = json.loads((four["default"] / "summary.json").read_text())
     assert s["first_round_ari"] >= 0.9
 
 
-@pytest.mark.parametrize("strategy", ["gossip", "ring", "isolated"])
-def test_other_strategies_share_the_layout(tmp_path, tiny_config, strategy):
-    run_engine(4, tiny_config, tmp_path, f"strategy={strategy}", "train.budget=20")
-    run = open_run(tmp_path / "tiny")
+@pytest.mark.parametrize("strategy", OTHER_STRATEGIES)
+def test_other_strategies_share_the_layout(four, strategy):
+    run = open_run(four[strategy])
     assert run.summary["strategy"] == strategy and len(run.round_paths) == 4
     if strategy == "isolated":
         assert run.summary["merges"] == 0 and not run.merges()
@@ -91,25 +126,18 @@ def test_other_strategies_share_the_layout(tmp_path, tiny_config, strategy):
         assert all((m["j"] - m["i"]) % 4 in (1, 3) for m in run.merges())
 
 
-@pytest.mark.parametrize("extra", [["merge.rule=clock", "merge.optimizer_state=average"],
-                                   ["merge.rule=swap", "merge.optimizer_state=reset"],
-                                   ["merge.rule=ema", "merge.outer.enabled=true", "train.optimizer=adamw",
-                                    "train.lr=0.01", "model.batchnorm=true"],
-                                   ["partners.law=hierarchical", "clustering.cut=maxclust",
-                                    "clustering.k={start: 2, end: 1, horizon: 30}"],
-                                   ["signature.overlap=true", "signature.kind=gaussian"]])
-def test_merge_and_law_variants_run(tmp_path, tiny_config, extra):
-    run_engine(4, tiny_config, tmp_path, "train.budget=30", *extra)
-    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merge_and_law_variants_run(four, variant):
+    s = json.loads((four[variant] / "summary.json").read_text())
     assert s["merges"] > 0 and np.isfinite(s["consensus_test_acc"])
     assert s["consensus_test_acc"] > 0.4
 
 
-def test_config_error_exits_2_once_before_training(tmp_path, tiny_config):
-    res = run_engine(4, tiny_config, tmp_path, "merge.lam=0.2", check=False)
+def test_config_error_exits_2_once_before_training(four):
+    res = four.result["config_error"]
     assert res.returncode == 2
     assert res.stderr.count("merge.lam") == 1 and "Traceback" not in res.stderr
-    assert not (tmp_path / "tiny").exists()
+    assert not four["config_error"].exists()
 
 
 def test_existing_run_dir_is_refused_without_overwrite(tmp_path, tiny_config):
@@ -128,37 +156,19 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path, tiny_config):
     assert "injected bug on rank 1" in res.stderr and "rank 1 failed" in res.stderr
 
 
-def test_quickstart_meets_its_promises(tmp_path):
-    """The README's quickstart claims: consensus >= 0.95, first-round ARI >= 0.9, one community, dispersion < tol."""
-    res = run_engine(8, "configs/quickstart.yaml", tmp_path, timeout=600)
-    s = json.loads((tmp_path / "quickstart" / "summary.json").read_text())
-    # the printed summary ends with the wall split, a partition of the loop's time (README, "What a run looks like")
-    assert re.search(r"wall time +[\d.]+s: train [\d.]+s \(\d+%\) / exchange .* / other [\d.]+s \(\d+%\)", res.stdout)
-    assert s["consensus_test_acc"] >= 0.95
-    assert s["first_round_ari"] >= 0.9
-    assert s["communities_per_round"][-1] == 1
-    assert s["final_dispersion"] < config.load("configs/quickstart.yaml").consensus.tol
-
-
-def test_update_tol_gates_the_consensus_stop(tmp_path, tiny_config):
+def test_update_tol_gates_the_consensus_stop(four):
     """Dispersion alone stops the tiny run early; an update_tol no merge can meet keeps it going to the budget,
     and every round logs the relative update norm it was judged on, the same on every rank (rank 0 writes it)."""
-    stop = ["consensus.stop=true", "consensus.tol=0.5", "consensus.patience=1", "train.budget=60"]
-    run_engine(4, tiny_config, tmp_path / "a", *stop)
-    run_engine(4, tiny_config, tmp_path / "b", *stop, "consensus.update_tol=1e-9")
-    a, b = open_run(tmp_path / "a" / "tiny"), open_run(tmp_path / "b" / "tiny")
+    a, b = open_run(four["update_dispersion"]), open_run(four["update_tol"])
     assert a.summary["consensus_reached_t"] is not None and a.summary["units"] < 60
     assert b.summary["consensus_reached_t"] is None and b.summary["units"] == 60
     rel = [r.info["relative_update"] for r in b.rounds()]
     assert all(v is None or v > 1e-9 for v in rel) and any(v is not None for v in rel)
 
 
-@pytest.mark.parametrize("strategy, extra", [("local_sgd", ["merge.period=3"]),
-                                             ("diloco", ["merge.period=3", "train.optimizer=adamw", "train.lr=0.01"]),
-                                             ("allreduce", ["train.unit=epoch"])])
-def test_global_strategies(tmp_path, tiny_config, strategy, extra):
-    run_engine(3, tiny_config, tmp_path, f"strategy={strategy}", "train.budget=12", *extra)
-    run = open_run(tmp_path / "tiny")
+@pytest.mark.parametrize("strategy", GLOBAL)
+def test_global_strategies(three, strategy):
+    run = open_run(three[strategy])
     s = run.summary
     assert s["strategy"] == strategy and s["merges"] == 0 and s["consensus_test_acc"] > 0.5
     averages = [m for m in run.merges() if m["event"] == "average"]
@@ -171,19 +181,17 @@ def test_global_strategies(tmp_path, tiny_config, strategy, extra):
             assert s["consensus_distance"] < 1e-6
 
 
-def test_a_user_dataset_declares_groups_and_first_round_ari_is_reported(tmp_path, tiny_config):
-    run_engine(4, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:declared_rank_groups",
-               "data.partition=iid", "train.budget=10")
-    run = tmp_path / "tiny"
+def test_a_user_dataset_declares_groups_and_first_round_ari_is_reported(four):
+    run = four["declared_groups"]
     assert json.loads((run / "partition.json").read_text())["groups"] == [0, 0, 1, 1]
     s = json.loads((run / "summary.json").read_text())
     assert s["first_round_ari"] is not None and -1.0 <= s["first_round_ari"] <= 1.0
     assert s["consensus_test_split"] == "shared"
 
 
-def test_test_splits_that_differ_by_rank_are_said(tmp_path, tiny_config):
-    res = run_engine(3, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:not_deterministic",
-                     "data.partition=iid", "train.budget=5")
-    assert "the ranks' test splits differ (ranks [1, 2] from rank 0's)" in res.stdout
-    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+def test_test_splits_that_differ_by_rank_are_said_under_on_mismatch_warn(three):
+    """data.on_mismatch=warn trains on data that differ by rank (the default refuses: test_plugins_mpi.py)."""
+    res = three.result["not_deterministic"]
+    assert "the ranks' test splits differ (ranks [1, 2] from rank 0's)" in res.stderr  # a warning
+    s = json.loads((three["not_deterministic"] / "summary.json").read_text())
     assert s["consensus_test_split"].startswith("rank 0's (the test splits differ across ranks: 2 of 3")

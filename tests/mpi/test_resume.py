@@ -7,11 +7,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.mpi import finish, run_engine, start, wait_for
+from tests.helpers.mpi import finish, run_engine, start, tiny_batch, wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 LONG = ["train.budget=150", "checkpoint.every=10"]
+SHORT = ["train.budget=20", "checkpoint.every=10", "checkpoint.at_end=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's uninterrupted runs, one batch per world size."""
+    four = tiny_batch(tmp_path_factory, "resume4", 4, {"reference": LONG, "refuse": SHORT})
+    two = tiny_batch(tmp_path_factory, "resume2", 2, {"complete": ["train.budget=10"], "damaged": SHORT})
+    return {name: batch[name].parent for batch, names in ((four, ("reference", "refuse")),
+                                                           (two, ("complete", "damaged"))) for name in names}
 
 
 def consensus(run_dir: Path) -> dict:
@@ -28,9 +38,8 @@ def rank_pids(marker: str):
 
 
 @pytest.mark.parametrize("how", ["signal", "stopfile"])
-def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_config, how):
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    run_engine(4, tiny_config, ref, *LONG)
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_config, runs, how):
+    ref, cut = runs["reference"], tmp_path / "cut"
     proc = start(4, tiny_config, cut, *LONG)
     wait_for(cut / "tiny" / "checkpoints" / "latest", proc)
     if how == "signal":
@@ -66,8 +75,8 @@ def as_if_interrupted(run_dir: Path) -> None:
     meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
 
 
-def test_resume_refuses_another_world_size_or_config(tmp_path, tiny_config):
-    run_engine(4, tiny_config, tmp_path, "train.budget=20", "checkpoint.every=10", "checkpoint.at_end=false")
+def test_resume_refuses_another_world_size_or_config(tiny_config, runs):
+    tmp_path = runs["refuse"]
     as_if_interrupted(tmp_path / "tiny")
     res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
     assert res.returncode == 2 and "written by 4 ranks, this job has 2" in res.stderr
@@ -75,16 +84,16 @@ def test_resume_refuses_another_world_size_or_config(tmp_path, tiny_config):
     assert res.returncode == 2 and "train.lr: checkpoint has 0.05, config has 0.5" in res.stderr
 
 
-def test_resume_of_a_complete_run_does_nothing(tmp_path, tiny_config):
-    run_engine(2, tiny_config, tmp_path, "train.budget=10")
+def test_resume_of_a_complete_run_does_nothing(tiny_config, runs):
+    tmp_path = runs["complete"]
     before = (tmp_path / "tiny" / "summary.json").read_bytes()
     res = run_engine(2, tiny_config, tmp_path, "train.budget=10", extra=["--resume"])
     assert "already complete" in res.stdout
     assert (tmp_path / "tiny" / "summary.json").read_bytes() == before
 
 
-def test_damaged_checkpoint_is_named(tmp_path, tiny_config):
-    run_engine(2, tiny_config, tmp_path, "train.budget=20", "checkpoint.every=10", "checkpoint.at_end=false")
+def test_damaged_checkpoint_is_named(tiny_config, runs):
+    tmp_path = runs["damaged"]
     as_if_interrupted(tmp_path / "tiny")
     latest = (tmp_path / "tiny" / "checkpoints" / "latest").read_text().strip()
     victim = tmp_path / "tiny" / "checkpoints" / latest / "rank00001.pt"

@@ -11,17 +11,23 @@ import json
 import pytest
 
 from communities.results import TIME_CATEGORIES
-from tests.helpers.mpi import run_engine
+from tests.helpers.mpi import tiny_batch
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 SLOW = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64", "train.budget=20"]
+STRATEGIES = ["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"]
 
 
-@pytest.mark.parametrize("strategy", ["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"])
-def test_the_split_partitions_the_wall_and_waiting_for_a_slow_rank_is_idle(tmp_path, tiny_config, strategy):
-    run_engine(4, tiny_config, tmp_path, f"strategy={strategy}", *SLOW)
-    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One run per strategy, in one batch (one start-up for the seven)."""
+    return tiny_batch(tmp_path_factory, "split", 4, {s: [f"strategy={s}", *SLOW] for s in STRATEGIES})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_split_partitions_the_wall_and_waiting_for_a_slow_rank_is_idle(runs, strategy):
+    s = json.loads((runs[strategy] / "summary.json").read_text())
     per = s["time_split_per_rank"]
     assert set(per) == {"wall", *TIME_CATEGORIES}
     for r in range(4):

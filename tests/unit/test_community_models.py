@@ -70,8 +70,8 @@ def test_prepare_gives_each_rank_its_groups_distribution_and_a_local_test_split(
         perm = shift.label_permutation(10, s.group, cfg.seed)
         for idx in (s.indices, local):  # training and local test data: the same group's labels
             assert np.array_equal(p.dataset.y_train[idx], perm[plain.y_train[idx]])
-    described = data.describe(p.shards, p.dataset.y_train, "iid", len(p.dataset.y_test), p.local_tests,
-                              "label_permutation")
+    described = data.describe(p.shards, p.dataset.y_train, "iid", len(p.dataset.y_test),
+                              local_test_sizes=[t.size for t in p.local_tests], shift="label_permutation")
     assert described["shift"] == "label_permutation" and described["local_test_sizes"] == [34] * 8
 
 

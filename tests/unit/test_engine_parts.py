@@ -257,3 +257,15 @@ def test_a_whole_run_in_process_writes_the_results_layout(world, tmp_path):
     assert run.complete and run.record == summary
     assert len(run.metrics()) == 12 and len(run.round_paths) == 4
     assert set(summary.time_split) == set(Timer.CATEGORIES)
+
+
+def test_deterministic_algorithms_are_on_without_loading_the_compiler():
+    """The engine sets torch's deterministic flag (warn only) without importing torch._inductor at start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from communities.engine.loop import deterministic_algorithms; "
+            "deterministic_algorithms(); print(torch.are_deterministic_algorithms_enabled(), "
+            "torch.is_deterministic_algorithms_warn_only_enabled(), 'torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "False"]

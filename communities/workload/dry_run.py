@@ -1,0 +1,61 @@
+"""``communities validate``'s dry run: the config's dataset and model, built for real in one process.
+
+What would otherwise stop every rank after MPI start-up (a missing module, a wrong
+signature, a wrong return shape, a partition the data cannot take) is found here,
+in a second, with one message naming the function. A user's dataset function is
+called twice (as rank 0 and as rank 1): data that differ between the calls is the
+non-determinism the ranks would refuse at start-up.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from . import data, models, plugins
+
+SAMPLE = 4  # test examples in the forward pass
+
+
+def dry_run(cfg, world_size: Optional[int]) -> List[str]:
+    """Load the dataset, partition it, build the model and run one forward pass; lines that say what was found."""
+    n = world_size or 2  # without a world size, a sharded reader is still tried as two ranks
+    ds = data.load(cfg.data, cfg.seed, 0, n)
+    where = f"data.dataset={cfg.data.dataset!r}"
+    if plugins.is_plugin(cfg.data.dataset):
+        other = data.load(cfg.data, cfg.seed, min(1, n - 1), n)
+        first, second = data.fingerprint(ds), data.fingerprint(other)
+        differ = [what for what, a, b, checked in (("training sets", first[0], second[0], not ds.sharded),
+                                                   ("test splits", first[1], second[1], True)) if checked and a != b]
+        if differ:
+            fn = cfg.data.dataset.partition(":")[2]
+            raise DataError(f"{where}: two calls of {fn}() gave different {' and '.join(differ)}; is it "
+                            "deterministic? It is called with seed= (use it for every random choice): every rank "
+                            "must get the same " + ("test split" if ds.sharded else "data"))
+    lines = [f"data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test examples of shape "
+             f"{ds.input_shape}, {ds.n_classes} classes"
+             + (f" (rank 0's shard of {n}: a sharded reader)" if ds.sharded else "")]
+    if not ds.sharded and world_size is not None:
+        prepared = data.arrange(ds, cfg.data, cfg.seed, world_size)  # as the ranks will: shift, local tests
+        groups = data.declared_groups(ds, prepared.shards)
+        sizes = [s.indices.size for s in prepared.shards]
+        planted = f", {cfg.data.groups} planted groups of ranks with disjoint labels" \
+            if cfg.data.partition == "label_groups" else ""
+        local = [t.size for t in prepared.local_tests]
+        lines.append(f"partition: {cfg.data.partition} over {world_size} ranks{planted}: {min(sizes)} to "
+                     f"{max(sizes)} examples per rank" + (f"; declared groups {groups}" if groups else "")
+                     + (f"; {min(local)} to {max(local)} held out as local test data" if any(local) else "")
+                     + (f"; data.shift={cfg.data.shift} over {cfg.data.groups} groups of ranks"
+                        if cfg.data.shift != "none" else ""))
+    elif not ds.sharded:
+        lines.append(f"partition: {cfg.data.partition} (pass --world-size N to check it against N ranks)")
+    torch.manual_seed(models.init_seed(cfg.seed, 0, cfg.model.init))
+    model = models.build(cfg.model, ds.input_shape, ds.n_classes)
+    sample = torch.as_tensor(np.ascontiguousarray(ds.x_test[:SAMPLE]))
+    models.check_output(model, sample, ds.n_classes, cfg.model.name)
+    flat, n_params = models.flatten_(model)
+    lines.append(f"model: {cfg.model.name}: {n_params} parameters ({flat.numel()} values merged); a forward pass of "
+                 f"{len(sample)} test examples gave ({len(sample)}, {ds.n_classes}) logits")
+    return lines
