@@ -2,7 +2,8 @@
 
 Every run is the tiny config on 4 ranks (2 planted groups of 2) with each rank holding out 20% of its shard as
 its local test data; "label-permuted" means IID shards where group 1 sees every label under a fixed permutation,
-the conflict one consensus model cannot serve.
+the conflict one consensus model cannot serve. The module's uninterrupted runs are one batch (one mpiexec), the
+two resumes (of copies of the auto and IFCA runs, from their checkpoint at t=20) a second.
 """
 import json
 import shutil
@@ -13,12 +14,15 @@ import pytest
 import torch
 
 from communities.results import open_run, read_jsonl
-from tests.conftest import TINY
-from tests.helpers.mpi import run_engine
+from tests.helpers.mpi import Job, run_batch, tiny_batch
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 PERMUTED = ["data.partition=iid", "data.shift=label_permutation", "data.local_test_fraction=0.2"]
+IID = ["data.partition=iid", "data.local_test_fraction=0.2", "train.budget=30"]
+CHECKPOINTED = ["train.budget=30", "checkpoint.every=10", "checkpoint.at_end=false"]
+AUTO = [*PERMUTED, "consensus.mode=auto", *CHECKPOINTED]
+IFCA = [*PERMUTED, "strategy=ifca", "ifca.k=2", "merge.period=2", *CHECKPOINTED]
 N = 4
 
 
@@ -39,19 +43,44 @@ def flat_of(state: dict, run_dir: Path) -> torch.Tensor:
     return flat
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
-    path.write_text(TINY)
-    return path
+def delivered(run: Path) -> dict:
+    """The models a run delivered: consensus.pt and models/*.pt, by file name."""
+    return {p.name: torch.load(p, weights_only=True) for p in [run / "consensus.pt", *run.glob("models/*.pt")]}
 
 
 @pytest.fixture(scope="module")
-def communities_run(tmp_path_factory, tiny) -> Path:
-    """consensus.mode communities on label-permuted groups, with round snapshots; 40 units, rounds every 5."""
-    root = tmp_path_factory.mktemp("communities")
-    run_engine(N, tiny, root, *PERMUTED, "consensus.mode=communities", "output.round_snapshots=true")
-    return root / "tiny"
+def runs(tmp_path_factory):
+    """The module's uninterrupted runs, in one batch: consensus.mode communities on label-permuted groups with
+    round snapshots (40 units, rounds every 5), auto on the same groups, auto and global (fine-tuned) on IID
+    shards, and IFCA with k=2."""
+    return tiny_batch(tmp_path_factory, "community_models", N, {
+        "communities": [*PERMUTED, "consensus.mode=communities", "output.round_snapshots=true"],
+        "auto": AUTO,
+        "auto_iid": [*IID, "consensus.mode=auto"],
+        "global_iid": [*IID, "consensus.finetune_units=3"],
+        "ifca": IFCA})
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, tmp_path_factory):
+    """Copies of the auto and IFCA runs, set back to interrupted, resumed from their checkpoint at t=20."""
+    root = tmp_path_factory.mktemp("resumed")
+    jobs = {}
+    for name, overrides in (("auto", AUTO), ("ifca", IFCA)):
+        run = root / name / "tiny"
+        shutil.copytree(runs[name], run)
+        for product in ["summary.json", "consensus.pt", *[str(p.relative_to(run)) for p in run.glob("models/*")]]:
+            (run / product).unlink()
+        meta = run / "meta.json"
+        meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
+        jobs[name] = Job(runs.config, root / name, overrides, extra=["--resume"])
+    run_batch(N, jobs)
+    return {name: root / name / "tiny" for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def communities_run(runs) -> Path:
+    return runs["communities"]
 
 
 def test_community_models_are_the_mean_of_their_members_weights(communities_run):
@@ -136,10 +165,8 @@ def test_inspect_shows_the_models_beside_their_round(communities_run, tmp_path, 
     assert "Community models of round 7" in page and "<h3>Community models</h3>" in page
 
 
-def test_auto_freezes_on_label_permuted_groups_and_resumes_bitwise(tiny, tmp_path):
-    common = [*PERMUTED, "consensus.mode=auto", "train.budget=30", "checkpoint.every=10", "checkpoint.at_end=false"]
-    run_engine(N, tiny, tmp_path, *common)
-    run = tmp_path / "tiny"
+def test_auto_freezes_on_label_permuted_groups(runs):
+    run = runs["auto"]
     s = json.loads((run / "summary.json").read_text())
     mode = s["consensus_mode"]
     assert mode["decision"] == "communities" and mode["communities"] == 2 and mode["frozen_round"] <= 3
@@ -147,23 +174,22 @@ def test_auto_freezes_on_label_permuted_groups_and_resumes_bitwise(tiny, tmp_pat
     assert verdict["decision"] == "freeze" and verdict["harm"] > 0.5 and verdict["cross_merges"] >= 4
     assert s["community_models"]["labels"] == [0, 0, 1, 1]  # the planted groups
     assert s["local_test"]["mean_acc"] > s["local_test"]["mean_consensus_acc"]
-    # a resume from the checkpoint at t=20 (after the freeze) ends with the same bits
-    saved = {p.name: torch.load(p, weights_only=True) for p in [run / "consensus.pt", *run.glob("models/*.pt")]}
-    (run / "summary.json").unlink()
-    meta = run / "meta.json"
-    meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
-    run_engine(N, tiny, tmp_path, *common, extra=["--resume"])
+    rounds = open_run(run).rounds()
+    weighed = [r.info["consensus_mode"]["verdict"] for r in rounds if r.info["consensus_mode"]["verdict"]]
+    assert weighed and weighed[-1] == verdict  # the evidence per round in rounds/, the last one in summary.json
+
+
+def test_auto_resumed_after_the_freeze_ends_with_the_same_bits(runs, resumed):
+    saved, again = delivered(runs["auto"]), delivered(resumed["auto"])
+    assert saved.keys() == again.keys() and "community_0.pt" in saved
     for name, state in saved.items():
-        again = run / name if name == "consensus.pt" else run / "models" / name
-        assert identical(state, torch.load(again, weights_only=True)), name
-    assert json.loads((run / "summary.json").read_text())["consensus_mode"] == mode
+        assert identical(state, again[name]), name
+    assert json.loads((resumed["auto"] / "summary.json").read_text())["consensus_mode"] == \
+        json.loads((runs["auto"] / "summary.json").read_text())["consensus_mode"]
 
 
-def test_auto_on_iid_data_keeps_merging_and_changes_no_bit(tiny, tmp_path):
-    iid = ["data.partition=iid", "data.local_test_fraction=0.2", "train.budget=30"]
-    run_engine(N, tiny, tmp_path / "auto", *iid, "consensus.mode=auto")
-    run_engine(N, tiny, tmp_path / "global", *iid, "consensus.finetune_units=3")
-    auto, glob = tmp_path / "auto" / "tiny", tmp_path / "global" / "tiny"
+def test_auto_on_iid_data_keeps_merging_and_changes_no_bit(runs):
+    auto, glob = runs["auto_iid"], runs["global_iid"]
     s = json.loads((auto / "summary.json").read_text())
     assert s["consensus_mode"]["decision"] == "consensus" and s["local_test"]["delivered"] == "consensus"
     assert "community_models" not in s and not (auto / "models").exists()
@@ -175,11 +201,8 @@ def test_auto_on_iid_data_keeps_merging_and_changes_no_bit(tiny, tmp_path):
     assert g["mean_consensus_acc"] == pytest.approx(s["local_test"]["mean_consensus_acc"])
 
 
-def test_ifca_trains_k_shared_models_and_resumes_bitwise(tiny, tmp_path):
-    common = [*PERMUTED, "strategy=ifca", "ifca.k=2", "merge.period=2", "train.budget=30", "checkpoint.every=10",
-              "checkpoint.at_end=false"]
-    run_engine(N, tiny, tmp_path, *common)
-    run = tmp_path / "tiny"
+def test_ifca_trains_k_shared_models(runs):
+    run = runs["ifca"]
     s = json.loads((run / "summary.json").read_text())
     record = s["community_models"]
     assert record["kind"] == "ifca" and record["k"] == 2 and len(record["models"]) == 2
@@ -192,11 +215,10 @@ def test_ifca_trains_k_shared_models_and_resumes_bitwise(tiny, tmp_path):
     for m in record["models"]:
         rows = last.signatures[m["members"]]
         assert all(np.array_equal(rows[0], r) for r in rows)
-    saved = {p.name: torch.load(p, weights_only=True) for p in [run / "consensus.pt", *run.glob("models/*.pt")]}
-    (run / "summary.json").unlink()
-    meta = run / "meta.json"
-    meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
-    run_engine(N, tiny, tmp_path, *common, extra=["--resume"])
+
+
+def test_ifca_resumed_ends_with_the_same_bits(runs, resumed):
+    saved, again = delivered(runs["ifca"]), delivered(resumed["ifca"])
+    assert saved.keys() == again.keys() and len(saved) == 3  # the consensus and the k=2 models
     for name, state in saved.items():
-        again = run / name if name == "consensus.pt" else run / "models" / name
-        assert identical(state, torch.load(again, weights_only=True)), name
+        assert identical(state, again[name]), name
