@@ -24,6 +24,9 @@ CHECKPOINTED = ["train.budget=30", "checkpoint.every=10", "checkpoint.at_end=fal
 AUTO = [*PERMUTED, "consensus.mode=auto", *CHECKPOINTED]
 IFCA = [*PERMUTED, "strategy=ifca", "ifca.k=2", "merge.period=2", *CHECKPOINTED]
 N = 4
+# runs that need more ranks than the world has: {name: (overrides, what the error names)}
+BAD = {"shift_groups": ([*PERMUTED, "data.groups=5"], "data.groups=5 planted groups need at least as many ranks"),
+       "mode_k": (["consensus.mode=communities", "consensus.k=9"], "consensus.k=9 communities need at least")}
 
 
 def identical(a: dict, b: dict) -> bool:
@@ -52,13 +55,17 @@ def delivered(run: Path) -> dict:
 def runs(tmp_path_factory):
     """The module's uninterrupted runs, in one batch: consensus.mode communities on label-permuted groups with
     round snapshots (40 units, rounds every 5), auto on the same groups, auto and global (fine-tuned) on IID
-    shards, and IFCA with k=2."""
-    return tiny_batch(tmp_path_factory, "community_models", N, {
+    shards, and IFCA with k=2; and two runs the world size refuses (BAD)."""
+    runs = tiny_batch(tmp_path_factory, "community_models", N, {
         "communities": [*PERMUTED, "consensus.mode=communities", "output.round_snapshots=true"],
         "auto": AUTO,
         "auto_iid": [*IID, "consensus.mode=auto"],
         "global_iid": [*IID, "consensus.finetune_units=3"],
-        "ifca": IFCA})
+        "ifca": IFCA,
+        **{name: overrides for name, (overrides, _) in BAD.items()}}, check=False)
+    for name, res in runs.result.items():
+        assert name in BAD or res.returncode == 0, f"{name} exited {res.returncode}\n{res.stderr[-3000:]}"
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +170,13 @@ def test_inspect_shows_the_models_beside_their_round(communities_run, tmp_path, 
     assert "froze 2 communities at round 0" in text and "local test accuracy: delivered (communities)" in text
     page = (tmp_path / "report" / "index.html").read_text()
     assert "Community models of round 7" in page and "<h3>Community models</h3>" in page
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_the_world_size_refuses_bad_keys_before_any_rank_trains(runs, name):
+    res = runs.result[name]
+    assert res.returncode == 2 and BAD[name][1] in res.stderr and "Traceback" not in res.stderr
+    assert not (runs[name] / "metrics.jsonl").exists()
 
 
 def test_auto_freezes_on_label_permuted_groups(runs):
