@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from communities.results import open_run, read_jsonl
-from tests.helpers.mpi import Job, run_batch, tiny_batch
+from tests.conftest import TINY
+from tests.helpers.mpi import ROOT, Job, TinyRuns, run_batch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,6 +25,7 @@ CHECKPOINTED = ["train.budget=30", "checkpoint.every=10", "checkpoint.at_end=fal
 AUTO = [*PERMUTED, "consensus.mode=auto", *CHECKPOINTED]
 IFCA = [*PERMUTED, "strategy=ifca", "ifca.k=2", "merge.period=2", *CHECKPOINTED]
 N = 4
+PLUGIN_EXAMPLE = ROOT / "examples" / "plugins" / "config.yaml"
 # runs that need more ranks than the world has: {name: (overrides, what the error names)}
 BAD = {"shift_groups": ([*PERMUTED, "data.groups=5"], "data.groups=5 planted groups need at least as many ranks"),
        "mode_k": (["consensus.mode=communities", "consensus.k=9"], "consensus.k=9 communities need at least")}
@@ -55,17 +57,24 @@ def delivered(run: Path) -> dict:
 def runs(tmp_path_factory):
     """The module's uninterrupted runs, in one batch: consensus.mode communities on label-permuted groups with
     round snapshots (40 units, rounds every 5), auto on the same groups, auto and global (fine-tuned) on IID
-    shards, and IFCA with k=2; and two runs the world size refuses (BAD)."""
-    runs = tiny_batch(tmp_path_factory, "community_models", N, {
+    shards, and IFCA with k=2; two runs the world size refuses (BAD); and a sharded reader with local tests."""
+    root = tmp_path_factory.mktemp("community_models")
+    config = root / "tiny.yaml"
+    config.write_text(TINY)
+    jobs = {name: Job(config, root / name, overrides) for name, overrides in {
         "communities": [*PERMUTED, "consensus.mode=communities", "output.round_snapshots=true"],
         "auto": AUTO,
         "auto_iid": [*IID, "consensus.mode=auto"],
         "global_iid": [*IID, "consensus.finetune_units=3"],
         "ifca": IFCA,
-        **{name: overrides for name, (overrides, _) in BAD.items()}}, check=False)
-    for name, res in runs.result.items():
+        **{name: overrides for name, (overrides, _) in BAD.items()}}.items()}
+    # the docs' sharded reader (each rank reads its own shard): its ranks hold out their local tests themselves
+    jobs["sharded"] = Job(PLUGIN_EXAMPLE, root / "sharded", ["data.dataset=my_data:blobs_sharded", "train.budget=15",
+                                                              "data.local_test_fraction=0.2"])
+    results = run_batch(N, jobs, check=False)
+    for name, res in results.items():
         assert name in BAD or res.returncode == 0, f"{name} exited {res.returncode}\n{res.stderr[-3000:]}"
-    return runs
+    return TinyRuns(root, config, results)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +186,16 @@ def test_the_world_size_refuses_bad_keys_before_any_rank_trains(runs, name):
     res = runs.result[name]
     assert res.returncode == 2 and BAD[name][1] in res.stderr and "Traceback" not in res.stderr
     assert not (runs[name] / "metrics.jsonl").exists()
+
+
+def test_a_sharded_readers_ranks_hold_out_their_own_local_tests(runs):
+    run = runs.root / "sharded" / "plugins_example-my_data.blobs_sharded"
+    partition = json.loads((run / "partition.json").read_text())
+    assert partition["partition"] == "sharded" and partition["local_test_sizes"] == [45] * N  # 20% of 225
+    assert partition["shard_sizes"] == [180] * N and [sum(c) for c in partition["label_counts"]] == [180] * N
+    lt = json.loads((run / "summary.json").read_text())["local_test"]
+    assert lt["delivered"] == "consensus" and lt["sizes"] == [45] * N
+    assert lt["mean_acc"] >= 0.9  # three well-separated blobs
 
 
 def test_auto_freezes_on_label_permuted_groups(runs):

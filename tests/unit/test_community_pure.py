@@ -221,3 +221,30 @@ def test_the_mode_keys_are_refused_with_every_strategy_but_community():
     ok = config.load(QUICK, ["consensus.mode=communities", "consensus.k=4", "world_size=null"])
     ok.check_world(4)  # k communities need k ranks: 4 of 4 is fine
     config.load(QUICK, ["consensus.k=9", "world_size=null"]).check_world(4)  # k is not read under mode global
+
+
+def test_one_ranks_split_is_its_part_of_the_hold_out():
+    shards = data.partition(np.repeat(np.arange(4), 30), 4, "iid", seed=2)
+    train, tests = data.hold_out(shards, 0.3, seed=5)
+    for r, s in enumerate(shards):  # what a sharded reader's rank computes alone
+        kept, local = data.split_local(s.indices, 0.3, seed=5, rank=r)
+        assert np.array_equal(kept, train[r].indices) and np.array_equal(local, tests[r])
+    kept, local = data.split_local(np.arange(7), 0.0, seed=5, rank=0)
+    assert kept.tolist() == list(range(7)) and local.size == 0
+
+
+def test_export_cannot_rebuild_a_sharded_readers_data(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "plugins"))
+    cfg = config.load(ROOT / "examples" / "plugins" / "config.yaml", ["data.dataset=my_data:blobs_sharded"])
+    with pytest.raises(DataError, match="data.dataset='my_data:blobs_sharded' is a sharded reader"):
+        data.prepare(cfg.data, cfg.seed, 4)
+
+
+def test_validate_arranges_the_data_as_the_ranks_will():
+    from communities.workload import dry_run
+
+    cfg = config.load(QUICK, ["data.partition=iid", "data.shift=rotation", "data.local_test_fraction=0.2"])
+    part = [line for line in dry_run.dry_run(cfg, 8) if line.startswith("partition:")][0]
+    assert "34 to 34 held out as local test data" in part and "data.shift=rotation over 4 groups" in part
+    small = config.load(QUICK, ["data.local_test_fraction=0.2", "data.partition=label_groups", "data.purity=1.0"])
+    assert "held out" in [line for line in dry_run.dry_run(small, 8) if line.startswith("partition:")][0]
