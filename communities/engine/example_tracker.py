@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import example_table, protocol
+from ..runtime.comm import Tag
 
 
 class ExampleTracker:
@@ -120,7 +121,7 @@ class ExampleTracker:
         cfg, table = self.cfg, self.table
         n = self.pass_count(partner, distance_factor)
         rows = table.hardest(count=n, prefer=partner if cfg.pass_which == "unseen" else None)
-        theirs = int(world.sendrecv_array(np.array([rows.size], dtype=np.int64), partner, tag=5)[0])
+        theirs = int(world.sendrecv_array(np.array([rows.size], dtype=np.int64), partner, tag=Tag.EXAMPLE_COUNT)[0])
         cap = cfg.pass_max_bytes // self.bytes_per_example
         if not 0 <= theirs <= min(cap, len(self.x_pool)):
             raise RuntimeError(f"rank {self.rank}: partner rank {partner} announced {theirs} examples, outside "
@@ -129,8 +130,8 @@ class ExampleTracker:
         if n_max == 0:
             return {"sent": 0, "received": 0}
         floats, ints = table.pack(rows, self.x, n_max=n_max)
-        rf = world.sendrecv_array(floats, partner, tag=6)
-        ri = world.sendrecv_array(ints, partner, tag=7)
+        rf = world.sendrecv_array(floats, partner, tag=Tag.EXAMPLE_FLOATS)
+        ri = world.sendrecv_array(ints, partner, tag=Tag.EXAMPLE_INTS)
         try:
             x_in, _, incoming = example_table.unpack(rf, ri, self.feature_shape, self.world, cfg.visited,
                                                 n_total=len(self.x_pool), n_classes=self.n_classes)

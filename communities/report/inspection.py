@@ -37,14 +37,10 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from ..errors import EXIT_FAILURE, EXIT_OK, EXIT_USER
 from ..results import ResultsError
 from . import figures, html
 from .load import RunView, disambiguate, load_view, one_line, select_rounds, summary_text
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_DAMAGED = 2
-
 
 # --------------------------------------------------------------------------- report
 
@@ -103,19 +99,19 @@ def main_inspect(argv: Optional[List[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help or a usage error: return the code instead of exiting the caller
-        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_DAMAGED)
+        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_USER)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("communities inspect: error: matplotlib is needed for the report: pip install 'communities[inspect]'",
               file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_FAILURE
     start = time.perf_counter()
     try:
         views = [load_view(Path(p)) for p in args.run_dirs]
     except ResultsError as exc:
         print(f"communities inspect: error: {one_line(exc)}", file=sys.stderr)
-        return EXIT_DAMAGED
+        return EXIT_USER
     disambiguate(views)
     picks = []
     for v in views:
@@ -126,7 +122,7 @@ def main_inspect(argv: Optional[List[str]] = None) -> int:
             picks.append(select_rounds([int(r) for r in v.round_idx], args.rounds, args.every, args.last, cap=cap))
         except ValueError as exc:
             print(f"communities inspect: error: {v.path}: {one_line(exc)}", file=sys.stderr)
-            return EXIT_DAMAGED
+            return EXIT_USER
     if args.out is not None:
         out = args.out
     elif len(views) == 1:
@@ -143,7 +139,7 @@ def main_inspect(argv: Optional[List[str]] = None) -> int:
         index = write_report(views, out, picks, svg=not args.no_svg)
     except OSError as exc:
         print(f"communities inspect: error: cannot write the report to {out}: {one_line(exc)}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_FAILURE
     print(f"report: {index} ({time.perf_counter() - start:.1f} s)")
     return EXIT_OK
 

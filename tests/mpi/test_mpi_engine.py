@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from sklearn.metrics import adjusted_rand_score
 
 from communities.results import open_run
 from tests.helpers.mpi import initial_mean_and_final, run_engine, tiny_batch
@@ -183,9 +184,15 @@ def test_global_strategies(three, strategy):
 
 def test_a_user_dataset_declares_groups_and_first_round_ari_is_reported(four):
     run = four["declared_groups"]
-    assert json.loads((run / "partition.json").read_text())["groups"] == [0, 0, 1, 1]
+    groups = json.loads((run / "partition.json").read_text())["groups"]
+    assert groups == [0, 0, 1, 1]
     s = json.loads((run / "summary.json").read_text())
-    assert s["first_round_ari"] is not None and -1.0 <= s["first_round_ari"] <= 1.0
+    first = run / "rounds" / "round_0000"
+    info = json.loads((first / "round.json").read_text())
+    assert info["round"] == 0 and info["ari"] is not None
+    # the summary's figure is the first round's, and that is the ARI of its communities against the declared groups
+    assert s["first_round_ari"] == pytest.approx(info["ari"], abs=1e-12)
+    assert info["ari"] == pytest.approx(adjusted_rand_score(groups, np.load(first / "labels.npy")), abs=1e-12)
     assert s["consensus_test_split"] == "shared"
 
 

@@ -16,12 +16,12 @@ from tests.helpers.mpi import tiny_batch
 pytestmark = pytest.mark.timeout(900)
 
 SLOW = ["faults.speed={0: 4.0}", "model.hidden=[256,256]", "train.batch_size=64", "train.budget=20"]
-STRATEGIES = ["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce"]
+STRATEGIES = ["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce", "ifca"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One run per strategy, in one batch (one start-up for the seven)."""
+    """One run per strategy, in one batch (one start-up for them all)."""
     return tiny_batch(tmp_path_factory, "split", 4, {s: [f"strategy={s}", *SLOW] for s in STRATEGIES})
 
 
