@@ -292,6 +292,12 @@ class CommConfig(_Section):
     check_hashes: bool = Field(True, description="allgather a hash of exchange lists and communities each round")
     timeout: float = Field(600.0, ge=0, description="seconds a rank may block in one MPI wait before the watchdog "
                                                     "aborts the job naming who it waited for (0: no watchdog)")
+    fault_tolerance: Literal["abort", "shrink"] = Field(
+        "abort", description="abort: a lost rank ends the job (resume from the last checkpoint); shrink: the "
+        "survivors shrink the communicator and go on (needs an MPI with ULFM: Open MPI 5 with --with-ft ulfm)")
+    lost_shard: Literal["drop", "adopt"] = Field(
+        "drop", description="shrink: what happens to a lost rank's shard: drop it, or adopt it (the next rank "
+        "alive after it, in rank order, adds it to its own)")
 
 
 class RobustConfig(_Section):
@@ -325,11 +331,20 @@ class FaultsConfig(_Section):
 
     disk_full_at: Optional[int] = Field(None, ge=1, description="from this unit on, every write into the run "
                                         "directory fails as on a full disk (ENOSPC), on every rank")
+    kill: Dict[int, int] = Field(
+        default_factory=dict, description="rank -> unit: the rank's process sends itself SIGKILL at that unit "
+        "(a lost rank, for comm.fault_tolerance tests), where kill_in says")
+    kill_in: Literal["train", "exchange", "round"] = Field(
+        "train", description="train: after the unit's training; exchange: inside its first exchange from that unit "
+        "on, after the header swap (the partner waits in the weights' Sendrecv); round: at its first signature "
+        "round from that unit on, just before the Allgather (the others are in it)")
 
     @model_validator(mode="after")
     def _nonzero_scale(self):
         if self.hostile_scale == 0:
             raise ValueError("faults.hostile_scale must be non-zero")
+        if any(r < 0 or t < 1 for r, t in self.kill.items()):
+            raise ValueError(f"faults.kill={self.kill}: ranks are >= 0 and units >= 1")
         bad = {r: f for r, f in self.speed.items() if r < 0 or not f >= 1.0}
         if bad:
             raise ValueError(f"faults.speed={bad}: ranks are >= 0 and slowdown factors >= 1")
@@ -348,7 +363,7 @@ class CheckpointConfig(_Section):
 # ``name`` follows the run directory: a copied or renamed run directory resumes under its new name.
 RESUME_MAY_CHANGE = ("train.budget", "train.wall_budget", "output", "checkpoint", "comm.check_hashes", "comm.timeout",
                      "consensus.stop", "consensus.patience", "consensus.tol", "train.eval_every", "name",
-                     "faults.disk_full_at", "logging", "data.on_mismatch")
+                     "faults.disk_full_at", "logging", "data.on_mismatch", "comm.fault_tolerance", "faults.kill")
 
 
 def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
@@ -478,6 +493,25 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _fault_tolerance(self):
+        if self.comm.fault_tolerance != "shrink":
+            return self
+        why = None
+        if self.protocol != "virtual_clock":
+            why = f"protocol={self.protocol!r} (survivors roll back to a signature round every rank took)"
+        elif self.strategy == "ifca":
+            why = "strategy='ifca' (its k shared models would need every rank's pick again)"
+        elif self.consensus.mode != "global":
+            why = f"consensus.mode={self.consensus.mode!r} (community models are formed over the whole world)"
+        elif self.signature.overlap:
+            why = "signature.overlap=true (a gather in flight cannot be rolled back)"
+        elif self.comm.lost_shard == "adopt" and self.examples.track:
+            why = "comm.lost_shard='adopt' with examples.track=true (the example table is per shard)"
+        if why is not None:
+            raise ValueError(f"comm.fault_tolerance='shrink' is not supported with {why}")
+        return self
+
+    @model_validator(mode="after")
     def _consensus_mode(self):
         mode = self.consensus.mode
         if mode != "global" and self.strategy != "community":
@@ -505,9 +539,11 @@ class Config(_Section):
             rank = getattr(self.faults, key)
             if rank is not None and rank >= world:
                 raise ConfigError(f"faults.{key}={rank} is not a rank of a world of {world} (0..{world - 1})")
-        for rank in self.faults.speed:
-            if rank >= world:
-                raise ConfigError(f"faults.speed names rank {rank}, not a rank of a world of {world} (0..{world - 1})")
+        for key in ("speed", "kill"):
+            for rank in getattr(self.faults, key):
+                if rank >= world:
+                    raise ConfigError(f"faults.{key} names rank {rank}, not a rank of a world of {world} "
+                                      f"(0..{world - 1})")
         if self.strategy in ("community", "gossip", "ring") and world < 2:
             raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
 

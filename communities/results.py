@@ -336,6 +336,7 @@ class Event(IntEnum):
     QUARANTINED = 4  # left alone: this rank is quarantined
     TIMEOUT = 5  # protocol async: the partner did not answer within comm.timeout; skipped
     BUSY = 6  # protocol async: the partner was waiting on a request of its own; another one was drawn
+    LOST = 7  # comm.fault_tolerance shrink: rank i was lost; the survivors went on from unit t (j = -1)
 
     @property
     def label(self) -> str:
@@ -451,9 +452,10 @@ class Summary:
     local_test: Optional[dict] = None  # data.local_test_fraction: the delivered models on each rank's local test data
     consensus_mode: Optional[dict] = None  # consensus.mode other than global: the decision and its evidence
     community_models: Optional[dict] = None  # the per-community (or IFCA) models delivered (models/communities.json)
+    membership: Optional[dict] = None  # comm.fault_tolerance shrink: the survivors, the ranks lost, each recovery
 
     OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement", "local_test", "consensus_mode",
-                                           "community_models")
+                                           "community_models", "membership")
 
     def to_dict(self) -> dict:
         d = asdict(self)

