@@ -170,7 +170,8 @@ class Checkpointer:
             raise collective(DiskError(_failures(failed, t)))
         problem = ""
         if rank == 0:
-            files = {rank_file(directory, r).name: json.loads(s[3:]) for r, s in enumerate(statuses)}
+            files = {rank_file(directory, r).name: json.loads(s[3:]) for r, s in enumerate(statuses)
+                     if world.alive[r]}  # (fault_tolerance shrink: the survivors' files)
             try:
                 commit(self.root, t, {"version": VERSION, "t": t, "final": final, "world_size": world.size,
                                       **self._info(), "config": self.cfg.model_dump(), "files": files},

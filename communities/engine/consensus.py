@@ -70,7 +70,7 @@ class Consensus:
         row = np.array([sum(self.updates), len(self.updates), float(self.replica.flat.norm())], dtype=np.float64)
         self.updates = []
         with self.timer("idle"), self.world.monitoring():
-            g = self.world.allgather(row)
+            g = self.world.allgather(row)[self.world.alive]
         count = g[:, 1].sum()
         if count == 0:
             return None, None
@@ -91,7 +91,7 @@ class Consensus:
             row = {"t": t, "test_acc": acc, "test_loss": loss}
             if self.replica.has_local_test:
                 local_acc, _ = self.replica.evaluate_local(mean)
-                row["local_acc"] = self.world.allreduce_scalar(local_acc) / self.world.size
+                row["local_acc"] = self.world.allreduce_scalar(local_acc) / self.world.n_alive
         return row
 
     def model(self) -> torch.Tensor:

@@ -27,11 +27,12 @@ import torch
 
 from ..core.protocol import RunningDigest
 from ..errors import ConfigError, DiskError, Preempted, collective
+from ..manifest import read_info
 from ..results import Summary, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
-from ..runtime.comm import World
-from . import protocols, tensorboard_log
+from ..runtime.comm import RankLost, World
+from . import protocols, survival, tensorboard_log
 from .checkpoint import Checkpointer
 from .community_mode import CommunityMode
 from .consensus import Decision
@@ -53,7 +54,11 @@ class Engine:
     def __init__(self, cfg, world: World, run_dir: Path, overwrite: bool = False,
                  argv: Optional[List[str]] = None, progress: bool = True, resume=False):
         self.cfg, self.world = cfg, world
+        if resume:
+            survival.resume_membership(world, Path(run_dir))  # a job of survivors: their logical ranks
         collective_check(world, lambda: (cfg.check_world(world.size), tensorboard_log.check_available(cfg)))
+        if cfg.comm.fault_tolerance == "shrink":
+            on_every_rank(world, world.enable_shrink)  # no ULFM here: exit 2 naming the launch line
         world.set_timeout(cfg.comm.timeout)
         torch.set_num_threads(cfg.threads or _env_threads())
         deterministic_algorithms()
@@ -78,6 +83,11 @@ class Engine:
                  "faults": self.faults}
         if cfg.consensus.mode != "global":
             parts["mode"] = self.mode
+        self.survival = survival.NoSurvival()
+        if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
+            self.survival = survival.Survival(
+                world, {k: v for k, v in parts.items() if k not in ("timer", "traffic")}, self.replica,
+                cfg.comm.lost_shard, rewind=self.run_dir.rewind, log_lost=self._log_lost)
         self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts,
                                         before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info,
                                         failure=lambda: self.run_dir.failure)
@@ -88,6 +98,8 @@ class Engine:
             raise
         self.run_dir.resume_data = None
         self.loaded_t = self.t if resumed is not None else -1
+        if resumed is not None and isinstance(self.survival, survival.Survival):
+            self.survival.restore(read_info(self.run_dir.resumed_from))
         if world.rank == 0 and cfg.logging.tensorboard:
             self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
 
@@ -99,15 +111,7 @@ class Engine:
         previous_handlers = stopflag.install()
         try:
             with self.timer("other"):  # what the parts do not claim: the loop itself, checkpoints, log writes
-                for t in range(self.t + 1, self.cfg.train.budget + 1):
-                    self.t = t
-                    if self._unit(t):
-                        break
-                self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
-                # (a resume of a run that reached its end but could not write it: the checkpoint loaded is the end)
-                if self.cfg.checkpoint.at_end and self.t != self.loaded_t:
-                    self.checkpoints.save(self.t, final=True)
-                summary = self._finish()
+                summary = self._train()
         except Preempted:
             # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
             # they are exiting, and they must still exit 75 rather than die of the signal.
@@ -120,6 +124,25 @@ class Engine:
             return summary
         finally:
             self.progress.close()
+
+    def _train(self) -> Optional[Summary]:
+        """The units, then the end; a lost rank (fault_tolerance shrink) sends the survivors back to a round."""
+        self.survival.remember(self.t)
+        while True:
+            try:
+                for t in range(self.t + 1, self.cfg.train.budget + 1):
+                    self.t = t
+                    if self._unit(t):
+                        break
+                    self.survival.unit_done(t)
+                self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
+                # (a resume of a run that reached its end but could not write it: the checkpoint loaded is the end)
+                if self.cfg.checkpoint.at_end and self.t != self.loaded_t:
+                    self.checkpoints.save(self.t, final=True)
+                return self._finish()
+            except RankLost as lost:
+                with self.timer("idle"):
+                    self.t = self.survival.recover(lost)
 
     def _unit(self, t: int) -> bool:
         """Unit t of this rank; True when the run ends here (consensus reached, or the wall budget spent)."""
@@ -147,6 +170,8 @@ class Engine:
             self._preempt(t)
         if self.checkpoints.due(t):
             self.checkpoints.save(t)
+        if self.rounds.due(t):
+            self.survival.remember(t)  # fault_tolerance shrink: where the survivors of a lost rank go on from
         return False
 
     def _round(self, t: int) -> Optional[Decision]:
@@ -189,7 +214,12 @@ class Engine:
     def _checkpoint_info(self) -> dict:
         com = self.mixer.strategy.communities
         return {"round": self.rounds.index, "time": now(),
-                "communities": com.labels.tolist() if com is not None else None}
+                "communities": com.labels.tolist() if com is not None else None, **self.survival.info()}
+
+    def _log_lost(self, records: List[dict]) -> None:
+        """Rank 0: the ranks lost, as ``merges.jsonl`` rows (event ``lost``), written at once."""
+        if self.run_dir.writer is not None:
+            self.run_dir.writer.append_jsonl("merges.jsonl", survival.lost_rows(records))
 
     def _finish(self) -> Optional[Summary]:
         """The consensus model, evaluated and saved, and the summary (rank 0 returns it)."""
@@ -213,7 +243,8 @@ class Engine:
                "communities_per_round": self.rounds.counts, "first_round_ari": self.rounds.first_ari,
                "final_dispersion": finite_or_none(self.rounds.last_dispersion),
                "consensus_reached_t": self.consensus.reached_t, "consensus_test_split": replica.test_split,
-               "local_test": local_test, "consensus_mode": self.mode.summary(), "community_models": community_models}
+               "local_test": local_test, "consensus_mode": self.mode.summary(), "community_models": community_models,
+               "membership": self.survival.summary()}
         self.log.models(files, community_models)
         model = replica.state_dict_of(mean) if self.world.rank == 0 else None
         with self.world.monitoring():  # measuring, not training traffic

@@ -68,6 +68,11 @@ class Mixer:
         self.replica.outlier = bool(rnd.outliers[self.rank])
         self.strategy.observe(rnd.communities, self, rnd.t)
 
+    @property
+    def unavailable(self) -> np.ndarray:
+        """Ranks no exchange may involve: the latest round's robust outliers, and ranks lost (fault_tolerance)."""
+        return self.excluded if self.world.whole else self.excluded | ~self.world.alive
+
     def law(self, t: int) -> Optional[Law]:
         return self.strategy.law(t)
 
@@ -75,7 +80,8 @@ class Mixer:
         """At signature rounds, one tiny Allreduce: ``signal`` if any rank was asked to stop (a signal or the
         STOP file), ``budget`` once any rank passed ``train.wall_budget``; the same answer on every rank.
 
-        Polled at rounds only, so that between rounds a slow rank delays its partners alone.
+        Polled at rounds only: no collective between rounds (the exchanges still pace every rank to the
+        slowest, README "How it works").
         """
         if not at_round:
             return None
@@ -106,6 +112,7 @@ class Mixer:
         sent0 = self.world.bytes_sent
         with self.timer("idle"):  # the partner may still be training: this is where we wait for it
             other = self.pair.swap_headers(mine, partner)
+        r.faults.in_exchange(t)
         with self.timer("exchange"):
             a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t)
             probe = self.probe if self.probe is not None and event == Event.MERGE and self.probe.active() else None

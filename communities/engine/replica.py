@@ -91,7 +91,8 @@ class Replica:
         """
         cfg, ds = self.cfg, self.dataset
         train_fp, test_fp = self.fingerprint
-        said = [t.split() for t in self.world.allgather_text(f"{train_fp} {test_fp}", width=80)]
+        texts = self.world.allgather_text(f"{train_fp} {test_fp}", width=80)
+        said = [(t if alive else texts[0]).split() for t, alive in zip(texts, self.world.alive)]  # (lost: as 0)
         test_differ = [r for r, (_, te) in enumerate(said) if te != said[0][1]]
         train_differ = [] if ds.sharded else [r for r, (tr, _) in enumerate(said) if tr != said[0][0]]
         if ds.sharded and self.world.size > 1 and len({tr for tr, _ in said}) == 1 and self.rank == 0:
@@ -180,6 +181,21 @@ class Replica:
         models.check_output(model, self.x_test[:4], self.dataset.n_classes, cfg.model.name)
         flat, n_params = models.flatten_(model)
         return model, flat, n_params
+
+    def adopt(self, ranks: List[int]) -> None:
+        """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""
+        if self.dataset.sharded:  # a sharded reader's ranks know only their own shard
+            log.warning(f"communities: rank {self.rank} cannot adopt the shards of lost ranks {ranks}: a sharded "
+                        "reader's shards are not known here; they are dropped")
+            return
+        extra = [np.asarray(self.shards[r].indices, dtype=np.int64) for r in ranks]
+        own = np.asarray(self.shard.indices, dtype=np.int64)
+        self.shard = data.Shard(np.concatenate([own] + extra), self.shard.group)
+        idx = torch.as_tensor(self.shard.indices)
+        self.x = torch.as_tensor(self.dataset.x_train)[idx].to(self.device)
+        self.y = torch.as_tensor(self.dataset.y_train)[idx].to(self.device)
+        log.warning(f"communities: rank {self.rank} adopts the shards of lost rank{'s' if len(ranks) > 1 else ''} "
+                    f"{', '.join(map(str, ranks))}: {len(own)} -> {len(self.shard.indices)} training examples")
 
     @property
     def groups(self) -> Optional[List[int]]:

@@ -114,6 +114,7 @@ class SignatureRounds:
         self.fast_distances = len(set(world.allgather_text(clustering.blas_fingerprint()))) == 1
         self.groups = replica.groups
         self.pending = None  # signature.overlap: (request, gathered, sent) of the Iallgather in flight
+        self.last_rows: Optional[np.ndarray] = None  # the last gather (a lost rank's row stays its last one)
         self.index = 0  # rounds completed
         self.counts: List[int] = []  # communities per round
         self.last_dispersion = float("nan")
@@ -141,7 +142,7 @@ class SignatureRounds:
                                               min_silhouette=cc.min_silhouette,
                                               min_separation=cc.min_separation, distances=pre,
                                               fast=self.fast_distances)
-            counted = np.isfinite(raw).all(axis=1) & ~outliers
+            counted = np.isfinite(raw).all(axis=1) & ~outliers & self.world.alive
             disp = self.signature.dispersion(S, counted, pre) if counted.sum() >= 2 else float("nan")
             self.agreement.update(com.labels, com.Z, S, outliers, com.distances)
         if self.agree and cfg.comm.check_hashes:
@@ -158,9 +159,15 @@ class SignatureRounds:
     def _gather(self, t: int) -> Optional[np.ndarray]:
         with self.timer("signature"):
             sig = self.signature.row(self.replica)
+        self.replica.faults.in_round(t)
         with self.timer("idle"):
             if not self.cfg.signature.overlap:
-                return self.world.allgather(sig)
+                S = self.world.allgather(sig)
+                if not self.world.whole:  # a lost rank keeps its last signature: a point, not a pull to the origin
+                    lost = ~self.world.alive
+                    S[lost] = self.last_rows[lost] if self.last_rows is not None else 0.0
+                self.last_rows = S
+                return S
             previous, self.pending = self.pending, self.world.iallgather(sig, "Iallgather of signatures")
             if previous is None:
                 return None
@@ -177,12 +184,17 @@ class SignatureRounds:
         self.drain()  # its result is needed after a resume
         return {"pending": None if self.pending is None else torch.from_numpy(self.pending[1].copy()),
                 "index": self.index, "counts": list(self.counts), "last_dispersion": self.last_dispersion,
-                "first_ari": self.first_ari}
+                "first_ari": self.first_ari,
+                # (fault_tolerance shrink: a lost rank's row is its last one, the same on every survivor)
+                **({"last_rows": None if self.last_rows is None else torch.from_numpy(self.last_rows.copy())}
+                   if self.world.shrinks else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = None if state["pending"] is None else (_Done(), state["pending"].numpy().copy(), None)
         self.index, self.counts = int(state["index"]), list(state["counts"])
         self.last_dispersion, self.first_ari = state["last_dispersion"], state["first_ari"]
+        rows = state.get("last_rows")
+        self.last_rows = None if rows is None else rows.numpy().copy()
 
 
 class _Done:

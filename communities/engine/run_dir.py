@@ -124,7 +124,7 @@ class RunDirectory:
                 writer = RunWriter(self.path, resume=True)
                 if damaged:
                     self._set_aside(writer, damaged, chosen, info["t"])
-                writer.guard(self.path, lambda: self._rewind(info["t"]), "rewind the logs in")
+                writer.guard(self.path, lambda: self.rewind(info["t"]), "rewind the logs in")
                 writer.sweep()  # temporaries of the run that stopped (it is gone: this run holds the lock)
             writer.write_text("config.yaml", self.cfg.to_yaml())
             return writer
@@ -210,8 +210,19 @@ class RunDirectory:
             raise ConfigError(f"cannot resume from {ckpt}: it is the end of a {info['t']}-unit run; "
                               f"raise train.budget to continue training")
 
-    def _rewind(self, t: int) -> None:
-        """Rank 0: drop log rows and rounds written after unit t (they will be redone identically)."""
+    def rewind(self, t: int, lost: bool = False) -> None:
+        """Rank 0: drop log rows and rounds written after unit t (they will be redone identically).
+
+        ``lost``: the survivors of a lost rank go back to t (fault_tolerance shrink): checkpoints committed
+        after t are dropped too (the run that wrote them had the lost rank), and a STOP file stays.
+        """
+        if lost:
+            for d in self.checkpoints.glob("u*"):
+                if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) > t:
+                    shutil.rmtree(d, ignore_errors=True)
+            found = complete_dirs(self.checkpoints)
+            if found:
+                atomic_write_bytes(self.checkpoints / LATEST, (found[0].name + "\n").encode())
         for name in LOGS:
             path = self.path / name
             repair_jsonl(path)
@@ -223,7 +234,7 @@ class RunDirectory:
             info = d / "round.json"
             if not info.exists() or read_json(info)["t"] > t:
                 shutil.rmtree(d)
-        for stale in ("summary.json", "consensus.pt", STOP_FILE):
+        for stale in ("summary.json", "consensus.pt") + (() if lost else (STOP_FILE,)):
             (self.path / stale).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ during the run

@@ -151,6 +151,8 @@ class RunLog:
         fields = ("t", "data_bytes") + ExampleTracker.STATS_FIELDS
         out = []
         for r, block in enumerate(rows):
+            if not block.size:  # a lost rank (comm.fault_tolerance: shrink)
+                continue
             d = {"rank": r, "round": index}
             for key, v in zip(fields, block[0]):
                 d[key] = finite_or_none(v) if key.startswith("q") else int(v)
@@ -241,7 +243,9 @@ class RunLog:
         return {"merges_logged": self.merges_logged}
 
     def load_state_dict(self, state: dict) -> None:
+        """The state after a round or checkpoint, when no row is buffered (a rollback drops the rows since)."""
         self.merges_logged = int(state["merges_logged"])
+        self.metric_rows, self.merge_rows = [], []
 
 
 def view_agreement(rows: List[dict]) -> dict:

@@ -100,7 +100,7 @@ class Gossip(Strategy):
 
     def mix(self, t: int, mixer: "Mixer") -> None:
         """Every rank derives the same ordered exchange list and performs its own exchanges in list order."""
-        plan = self.exchanges(t, self.clock.fire(t), mixer.excluded)
+        plan = self.exchanges(t, self.clock.fire(t), mixer.unavailable)
         mixer.agreement.update(np.asarray(plan, dtype=np.int64).reshape(-1, 2))
         for partner, (initiator, _) in protocol.my_exchanges(plan, mixer.rank):
             mixer.exchange(t, partner, initiator)

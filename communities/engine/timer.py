@@ -92,7 +92,7 @@ class Timer:
         moved = 0.0
         for site in sorted(self.calls):
             d = np.asarray(self.calls[site], dtype=np.float64)
-            counts = world.allgather(np.array([d.size], dtype=np.int64))
+            counts = world.allgather(np.array([d.size], dtype=np.int64))[world.alive]
             if (counts != d.size).any():
                 continue
             transfer = world.allreduce_array(d, "min")
