@@ -236,6 +236,13 @@ def _dendrogram_figure(view: RunView, k: int, out: Path, stem: str, svg: bool,
     return _save(canvas.fig, out, stem, svg and n <= MAX_DENDROGRAM_LEAVES, release=own)
 
 
+def _hatched(x: float, y: float, width: float):
+    """A grey, cross-hatched band over a lost rank's rounds."""
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, y), width, 1.0, facecolor="0.85", edgecolor="0.3", hatch="xx", linewidth=0.5)
+
+
 def _timeline_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
     from matplotlib.colors import ListedColormap
 
@@ -261,6 +268,15 @@ def _timeline_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str
     else:
         ax = fig.add_subplot()
     ax.imshow(S[:, order].T, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=n_ids - 0.5)
+    if view.lost:  # a lost rank's cells from its loss on: crossed out (it keeps its last signature in the rounds)
+        row_of = {int(r): k for k, r in enumerate(order)}
+        for rank, t in view.lost:
+            after = np.flatnonzero(view.round_t > t)
+            if after.size and rank in row_of:
+                ax.add_patch(_hatched(after[0] - 0.5, row_of[rank] - 0.5, R - after[0]))
+                ax.annotate(f"rank {rank} lost at t={t}", (after[0] - 0.5, row_of[rank]), fontsize=6, ha="left",
+                            va="center", xytext=(3, 0), textcoords="offset points",
+                            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "linewidth": 0})
     step = max(1, int(math.ceil(R / 25)))
     ax.set_xticks(np.arange(0, R, step), [str(int(t)) for t in view.round_t[::step]], fontsize=7,
                   rotation=90 if R > 12 else 0)

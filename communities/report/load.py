@@ -256,6 +256,7 @@ class RunView:
     merge_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
     view_agreement: Dict[int, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # async: rank -> (wall, ARI)
     community_models: List[dict] = field(default_factory=list)  # models/ and exports/*/ communities.json records
+    lost: List[Tuple[int, int]] = field(default_factory=list)  # comm.fault_tolerance shrink: (rank, t) of each loss
     notes: List[str] = field(default_factory=list)
     status: str = "?"  # meta.json's status as it stands (a killed run's "running" reads "interrupted")
 
@@ -443,7 +444,12 @@ def _read_consensus(view: RunView) -> None:
 def _read_merges(view: RunView) -> None:
     """merges.jsonl: exchanges per pair and the mean merge update norm per t."""
     with _reading(view.path / "merges.jsonl"):
-        rows = [r for r in view.run.merges() if r.get("event", "merge") == "merge"]
+        every = view.run.merges()
+        view.lost = sorted((int(r["i"]), int(r["t"])) for r in every if r.get("event") == "lost")
+        if view.lost:
+            view.notes.append("ranks lost (the survivors went on from t): "
+                              + ", ".join(f"rank {r} at t={t}" for r, t in view.lost))
+        rows = [r for r in every if r.get("event", "merge") == "merge"]
         view.merge_matrix = merge_counts(rows, view.n)
         norm_rows = [(int(r["t"]), float(r["update_norm"])) for r in rows if r.get("update_norm") is not None]
         if norm_rows:

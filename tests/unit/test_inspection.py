@@ -670,3 +670,20 @@ def test_make_run_needs_no_test_helpers(tmp_path):
                          timeout=240)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
     assert (tmp_path / "r" / "summary.json").is_file()
+
+
+def test_a_lost_rank_is_named_and_crossed_out_on_the_timeline(small_run, tmp_path):
+    """comm.fault_tolerance shrink: merges.jsonl's ``lost`` events reach the view, its notes and the timeline."""
+    run = _copy(small_run, tmp_path)
+    with open(run / "merges.jsonl", "a") as fh:
+        fh.write(json.dumps({"t": 10, "i": 3, "j": -1, "initiator": -1, "a": 0.0, "update_norm": 0.0,
+                             "distance": None, "bytes": 0, "rule": "shrink", "event": "lost"}) + "\n")
+    view = load_view(run)
+    assert view.lost == [(3, 10)]
+    assert any("rank 3 at t=10" in note for note in view.notes)
+    assert view.merge_matrix[3].sum() == load_view(small_run).merge_matrix[3].sum()  # not counted as a merge
+    out = tmp_path / "fig"
+    out.mkdir()
+    files = figures._timeline_figure(view, out, "timeline", svg=True)
+    svg = (out / "timeline.svg").read_text()
+    assert any(f.endswith(".png") for f in files) and "rank 3 lost at t=10" in svg
