@@ -1,0 +1,180 @@
+"""Surviving lost ranks (``comm.fault_tolerance: shrink``) under Open MPI 5 with ULFM (.venv-ompi).
+
+Every lost rank here is a process that receives SIGKILL (``faults.kill``: the rank sends it to itself at a
+chosen point, so the test knows where it dies): no handler runs, nothing is flushed, MPI is not finalised.
+The survivors must notice (Open MPI's runtime reports the dead process), shrink, roll back to the last
+signature round and go on to a consensus, exit 0, and leave a run directory that says who was lost and when.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers.mpi import ROOT, mpi_env, run_engine
+from tests.helpers.openmpi import ompi_command, run_engine_ompi
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+SHRINK = "comm.fault_tolerance=shrink"
+KILLED = re.compile(r"rank (\d+) sends itself SIGKILL at t=(\d+) \((\w+); wall ([\d.]+)\)")
+
+
+def _run(tmp_path: Path, name: str, *overrides, n: int = 8) -> subprocess.CompletedProcess:
+    """One job under ULFM; it must end with a summary (prterun's own exit status is 0 even when a rank died)."""
+    res = run_engine_ompi(n, QUICKSTART, tmp_path, f"name={name}", SHRINK, *overrides, ulfm=True, timeout=420,
+                          check=False)
+    done = (tmp_path / name / "summary.json").exists()
+    assert res.returncode == 0 and done, f"{name} exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    return res
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def _merges(run: Path) -> list:
+    return [json.loads(line) for line in (run / "merges.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The quickstart on 8 ranks under ULFM: clean, and with ranks SIGKILLed at different points."""
+    root = tmp_path_factory.mktemp("ft")
+    out = {"clean": _run(root, "clean")}
+    out["train"] = _run(root, "train", "faults.kill={3: 12}", "faults.kill_in=train")
+    out["exchange"] = _run(root, "exchange", "faults.kill={3: 12}", "faults.kill_in=exchange")
+    out["round"] = _run(root, "round", "faults.kill={5: 15}", "faults.kill_in=round")
+    out["two"] = _run(root, "two", "faults.kill={2: 8, 6: 33}", "faults.kill_in=train", "comm.lost_shard=adopt")
+    return root, out
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case, lost", [("train", [3]), ("exchange", [3]), ("round", [5])])
+def test_one_rank_of_eight_killed_the_seven_reach_a_consensus(runs, case, lost):
+    root, procs = runs
+    run, clean = root / case, _summary(root / "clean")
+    s = _summary(run)
+    assert procs[case].returncode == 0
+    assert KILLED.search(procs[case].stderr), "the rank did not kill itself"
+    assert [e["rank"] for e in s["membership"]["lost"]] == lost
+    assert s["membership"]["survivors"] == [r for r in range(8) if r not in lost]
+    assert len(s["rank_test_acc"]) == 7 and s["world_size"] == 8
+    # within 1 point of a clean 8-rank run of the quickstart
+    assert s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.01, (s["consensus_test_acc"], clean)
+    assert s["consensus_reached_t"] is not None
+    # the loss is on record, and no exchange involves the lost rank after the survivors went on
+    merges = _merges(run)
+    [gone] = [m for m in merges if m["event"] == "lost"]
+    assert gone["i"] == lost[0]
+    assert not [m for m in merges if m["event"] == "merge" and lost[0] in (m["i"], m["j"]) and m["t"] > gone["t"]]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["t"] for m in metrics if m["rank"] == lost[0]) == gone["t"]  # rows after the rollback: survivors'
+    ts = [(m["t"], m["rank"]) for m in metrics]
+    assert len(ts) == len(set(ts)), "a unit was logged twice after the rollback"
+    info = json.loads((run / "rounds" / f"round_{s['rounds'] - 1:04d}" / "round.json").read_text())
+    assert info["t"] > gone["t"]
+
+
+@pytest.mark.timeout(1800)
+def test_where_the_rank_dies_does_not_change_the_result(runs):
+    """Killed after its training, inside an exchange, or at the next round: the survivors roll back to the same
+    round (t=10) with the same membership, so they compute bitwise the same consensus."""
+    root, _ = runs
+    digests = {case: _summary(root / case)["membership"]["recoveries"][0]["t"] for case in ("train", "exchange")}
+    assert set(digests.values()) == {10}
+    a, b = ((root / case / "consensus.pt").read_bytes() for case in ("train", "exchange"))
+    assert a == b
+
+
+@pytest.mark.timeout(1800)
+def test_two_ranks_killed_at_different_units_and_a_shard_adopted(runs):
+    root, procs = runs
+    s = _summary(root / "two")
+    assert procs["two"].returncode == 0
+    lost = {e["rank"]: e for e in s["membership"]["lost"]}
+    assert sorted(lost) == [2, 6]
+    assert lost[2]["t"] < lost[6]["t"]
+    assert lost[2]["adopted_by"] == 3 and lost[6]["adopted_by"] == 7  # the next rank alive after each
+    assert s["membership"]["survivors"] == [0, 1, 3, 4, 5, 7]
+    assert len(s["membership"]["recoveries"]) == 2
+    clean = _summary(root / "clean")
+    assert s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.02
+    # the heir trains on both shards: its units see more samples than a rank that adopted nothing
+    metrics = [json.loads(x) for x in (root / "two" / "metrics.jsonl").read_text().splitlines()]
+    last = {m["rank"]: m["samples"] for m in metrics if m["t"] == s["units"]}
+    assert last[3] > 1.5 * last[1]
+
+
+@pytest.mark.timeout(1800)
+def test_recovery_time_and_throughput(runs):
+    """The benchmark line: seconds from the SIGKILL to the survivors' next completed unit,
+    and the survivors' units per second before and after (printed; the assertion is only that it recovered)."""
+    root, procs = runs
+    for case in ("train", "exchange", "round"):
+        killed = float(KILLED.search(procs[case].stderr).group(4))
+        rec = _summary(root / case)["membership"]["recoveries"][0]
+        to_unit = rec["first_unit_wall"] - killed
+        metrics = [json.loads(x) for x in (root / case / "metrics.jsonl").read_text().splitlines()]
+        t0 = rec["t"]
+        before, after = [], []
+        for r in _summary(root / case)["membership"]["survivors"]:
+            rows = sorted((m["t"], m["wall"]) for m in metrics if m["rank"] == r)
+            wall = dict(rows)
+            end = rows[-1][0]
+            before.append(t0 / wall[t0])
+            after.append((end - t0 - 1) / (wall[end] - wall[t0 + 1]))
+        shrink = rec["recovered_wall"] - rec["detected_wall"]
+        print(f"\nshrink {case}: kill -> next completed unit {to_unit:.2f}s (detected after "
+              f"{rec['detected_wall'] - killed:.2f}s, shrink+rollback {shrink:.3f}s);"
+              f" survivors {np.mean(before):.1f} units/s before, {np.mean(after):.1f} after")
+        assert to_unit > 0
+
+
+@pytest.mark.timeout(900)
+def test_a_stop_after_a_loss_checkpoints_and_the_survivors_resume(tmp_path):
+    """Lose rank 3, then a STOP file: the 7 survivors checkpoint (their membership recorded) and exit 75; a
+    resume must be launched with 7 ranks (8 are refused, naming why), continues, and ends with the loss on record."""
+    run = tmp_path / "stop"
+    args = ["-m", "communities", "run", str(QUICKSTART), f"output.root={tmp_path}", "name=stop", SHRINK,
+            "faults.kill={3: 12}", "faults.slow_max=0.15", "consensus.stop=false", "--no-progress"]
+    proc = subprocess.Popen(ompi_command(8, args, ulfm=True), cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        merges = run / "merges.jsonl"
+        if merges.exists() and '"lost"' in merges.read_text():
+            (run / "STOP").touch()
+            break
+        time.sleep(0.1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, (out[-2000:], err[-3000:])
+    [ckpt] = [d for d in (run / "checkpoints").glob("u*") if (d / "COMPLETE").exists()]
+    info = json.loads((ckpt / "COMPLETE").read_text())
+    assert info["alive"] == [0, 1, 2, 4, 5, 6, 7] and [e["rank"] for e in info["lost"]] == [3]
+    assert sorted(info["files"]) == [f"rank{r:05d}.pt" for r in info["alive"]]
+    (run / "STOP").unlink(missing_ok=True)  # (the engine removes it once it has stopped)
+    refused = run_engine_ompi(8, QUICKSTART, tmp_path, "name=stop", SHRINK, ulfm=True, check=False,
+                              extra=["--resume"], timeout=300)
+    assert refused.returncode == 2 and "launch 7 ranks" in refused.stdout + refused.stderr
+    done = run_engine_ompi(7, QUICKSTART, tmp_path, "name=stop", SHRINK, "faults.slow_max=0.15",
+                           "consensus.stop=false", ulfm=True, extra=["--resume"], timeout=300)
+    assert done.returncode == 0
+    s = _summary(run)
+    assert s["units"] == 200 > info["t"] and [e["rank"] for e in s["membership"]["lost"]] == [3]  # the budget
+    assert s["membership"]["survivors"] == [0, 1, 2, 4, 5, 6, 7]
+    assert len(s["rank_test_acc"]) == 7
+
+
+@pytest.mark.timeout(300)
+def test_shrink_is_refused_where_mpi_has_no_ulfm(tmp_path, tiny_config):
+    """The mpich wheel has no working ULFM: exit 2 before anything trains, naming the key and the launch line."""
+    res = run_engine(2, tiny_config, tmp_path, SHRINK, check=False)
+    assert res.returncode == 2
+    text = res.stdout + res.stderr
+    assert "comm.fault_tolerance=shrink" in text and "ULFM" in text
+    assert not (tmp_path / "tiny" / "metrics.jsonl").exists()
