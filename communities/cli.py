@@ -196,9 +196,9 @@ def exit_without_finalize(code: int) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     code = _main(argv)
-    from .runtime import comm
-
-    if comm.SHRINKING and os.environ.get("OMPI_MCA_mpi_ft_detector_thread", "").lower() in ("1", "true"):
+    comm = sys.modules.get("communities.runtime.comm")  # (not imported here: it loads torch)
+    shrinking = comm is not None and comm.SHRINKING
+    if shrinking and os.environ.get("OMPI_MCA_mpi_ft_detector_thread", "").lower() in ("1", "true"):
         exit_without_finalize(code)
     return code
 
