@@ -61,7 +61,7 @@ def _mpi():
 
 
 def ulfm_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """Why this process cannot survive a lost rank (no ULFM, or no failure detector), or None when it can.
+    """Why this process cannot survive a lost rank (its MPI has no ULFM, or it was launched without), or None.
 
     Open MPI 5 has ULFM when launched with ``--with-ft ulfm`` (which sets ``OMPI_MCA_mpi_ft_enable``). Its
     runtime (PRRTE) reports a process that dies, or a node whose daemon is lost, to the survivors; the optional
@@ -71,7 +71,7 @@ def ulfm_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     MPI = _mpi()
     env = os.environ if env is None else env
     launch = "mpiexec --with-ft ulfm (ULFM=1 launch/mpirun.sh)"
-    library = World.library_version()
+    library = World.library_version().split(",")[0]  # e.g. "Open MPI v5.0.11", "MPICH Version: 4.3.0"
     if "Open MPI" in library:
         if env.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "on"):
             return f"{library} was launched without ULFM: start the job with {launch}"
