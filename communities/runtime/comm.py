@@ -71,7 +71,7 @@ def ulfm_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     MPI = _mpi()
     env = os.environ if env is None else env
     launch = "mpiexec --with-ft ulfm (ULFM=1 launch/mpirun.sh)"
-    library = World.library_version().split(",")[0]  # e.g. "Open MPI v5.0.11", "MPICH Version: 4.3.0"
+    library = " ".join(World.library_version().split(",")[0].split())  # "Open MPI v5.0.11", "MPICH Version: 5.0.2"
     if "Open MPI" in library:
         if env.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "on"):
             return f"{library} was launched without ULFM: start the job with {launch}"
