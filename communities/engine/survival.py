@@ -91,10 +91,12 @@ class Survival(NoSurvival):
         """Shrink, agree, restore the newest common round; returns the unit to go on from (every survivor)."""
         detected = time.time()
         world = self.world
-        log.warning(f"communities: rank {world.rank}: a peer failed ({exc}); shrinking to the survivors")
+        (log.warning if world.rank == 0 else log.debug)(
+            f"communities: rank {world.rank}: a peer failed ({exc}); shrinking to the survivors")
+        lost: List[int] = []
         while True:
             try:
-                lost = world.recover()
+                lost += world.recover()
                 if not world.alive[0]:
                     raise WriterLost("rank 0, the writer of the run directory, was lost: the survivors stop "
                                      "(resume from the last checkpoint with --resume)")
@@ -109,6 +111,7 @@ class Survival(NoSurvival):
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
         self.copies = [(u, b) for u, b in self.copies if u <= t]
+        lost = sorted(lost)
         for rank in lost:
             self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
         record = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
