@@ -98,7 +98,7 @@ class Engine:
             raise
         self.run_dir.resume_data = None
         self.loaded_t = self.t if resumed is not None else -1
-        if resumed is not None and isinstance(self.survival, survival.Survival):
+        if resumed is not None:
             self.survival.restore(read_info(self.run_dir.resumed_from))
         if world.rank == 0 and cfg.logging.tensorboard:
             self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)

@@ -49,8 +49,6 @@ class WriterLost(RuntimeError):
 class NoSurvival:
     """``comm.fault_tolerance: abort``: a lost rank ends the job; nothing is kept in memory."""
 
-    lost: List[dict] = []
-
     def remember(self, t: int) -> None:
         """At the end of a signature round's unit (and before the first unit)."""
 
@@ -65,6 +63,9 @@ class NoSurvival:
 
     def info(self) -> dict:
         return {}
+
+    def restore(self, info: dict) -> None:
+        """A resumed job: what the checkpoint says was lost (nothing to do without fault tolerance)."""
 
 
 class Survival(NoSurvival):

@@ -281,15 +281,21 @@ class World:
         # shards, merge clocks and partner laws keep their meaning after a loss; ``members`` lists the logical
         # ranks alive, in the order of ``comm``'s ranks (a shrunk communicator keeps the survivors' order).
         self.members = np.arange(self.size)
-        self.alive = np.ones(self.size, dtype=bool)
         self.shrinks = False
         self.recovered = False  # a peer was lost in this job (then MPI_Finalize would wait for it: see cli)
 
     # ---------------------------------------------------------------- membership (ULFM)
 
     @property
+    def alive(self) -> np.ndarray:
+        """(N,) bool: which logical ranks are alive (derived from ``members``)."""
+        mask = np.zeros(self.size, dtype=bool)
+        mask[self.members] = True
+        return mask
+
+    @property
     def n_alive(self) -> int:
-        return int(self.alive.sum())
+        return len(self.members)
 
     @property
     def whole(self) -> bool:
@@ -300,9 +306,10 @@ class World:
         """The communicator rank of logical ``rank`` (which must be alive)."""
         if self.whole:
             return rank
-        if not self.alive[rank]:
+        k = int(np.searchsorted(self.members, rank))
+        if k == len(self.members) or self.members[k] != rank:
             raise ValueError(f"rank {rank} was lost: no message can go to or come from it")
-        return int(np.searchsorted(self.members, rank))
+        return k
 
     def enable_shrink(self) -> None:
         """Survive lost ranks: errors are returned, never fatal, and a failure raises ``RankLost``.
@@ -351,8 +358,6 @@ class World:
         members = self.members[np.asarray(kept, dtype=np.int64)]
         lost = sorted(set(self.members.tolist()) - set(members.tolist()))
         self.comm, self.members, self.recovered = new, members, True
-        self.alive = np.zeros(self.size, dtype=bool)
-        self.alive[members] = True
         self.set_timeout(self._timeout)  # the watchdog aborts the new communicator
         self.watchdog.translate = self._translate
         return lost
@@ -363,8 +368,6 @@ class World:
         if len(members) != self.comm.Get_size():
             raise ValueError(f"{len(members)} survivors need as many ranks; this job has {self.comm.Get_size()}")
         self.rank, self.size, self.members = int(members[self.comm.Get_rank()]), int(size), members
-        self.alive = np.zeros(self.size, dtype=bool)
-        self.alive[members] = True
         self.set_timeout(self._timeout)
 
     def _spread(self, got: np.ndarray) -> np.ndarray:

@@ -85,8 +85,8 @@ def test_where_the_rank_dies_does_not_change_the_result(runs):
     """Killed after its training, inside an exchange, or at the next round: the survivors roll back to the same
     round (t=10) with the same membership, so they compute bitwise the same consensus."""
     root, _ = runs
-    digests = {case: _summary(root / case)["membership"]["recoveries"][0]["t"] for case in ("train", "exchange")}
-    assert set(digests.values()) == {10}
+    went_on_from = {case: _summary(root / case)["membership"]["recoveries"][0]["t"] for case in ("train", "exchange")}
+    assert set(went_on_from.values()) == {10}
     a, b = ((root / case / "consensus.pt").read_bytes() for case in ("train", "exchange"))
     assert a == b
 
