@@ -150,7 +150,8 @@ def cmd_run(args) -> int:
     from .config import from_json, load
     from .engine import loop
     from .errors import ConfigError, Preempted, RunComplete, collective
-    from .runtime.comm import World, launcher_mismatch
+    from .runtime.comm import World
+    from .runtime.launcher import launcher_mismatch
 
     world = World()
     text, err = None, ""
@@ -196,9 +197,9 @@ def exit_without_finalize(code: int) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     code = _main(argv)
-    comm = sys.modules.get("communities.runtime.comm")  # (not imported here: it loads torch)
-    shrinking = comm is not None and comm.SHRINKING
-    if shrinking and os.environ.get("OMPI_MCA_mpi_ft_detector_thread", "").lower() in ("1", "true"):
+    from .runtime import ulfm  # (light: MPI loads only if a command used it)
+
+    if ulfm.enabled() and os.environ.get("OMPI_MCA_mpi_ft_detector_thread", "").lower() in ("1", "true"):
         exit_without_finalize(code)
     return code
 

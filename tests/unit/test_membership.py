@@ -1,5 +1,6 @@
-"""Lost ranks without MPI failures: the logical-rank bookkeeping of ``World`` on a one-process world, the config
-rules of ``comm.fault_tolerance``, the refusal where MPI has no ULFM, and the survival part's round copies."""
+"""Lost ranks without MPI failures: the logical-rank bookkeeping (``Membership``, pure, and ``World`` on a
+one-process world), the config rules of ``comm.fault_tolerance``, the refusal where MPI has no ULFM, and the
+survival part's round copies."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,10 @@ import torch
 from communities import config
 from communities.config import ConfigError
 from communities.engine.survival import NoSurvival, Survival, lost_rows
-from communities.runtime.comm import World, ulfm_problem
+from communities.runtime import launcher
+from communities.runtime.comm import World
+from communities.runtime.membership import Membership
+from communities.runtime.ulfm import ulfm_problem
 
 
 @pytest.fixture
@@ -19,6 +23,47 @@ def survivor():
     assert w.comm.Get_size() == 1
     w.set_membership([0], 8)
     return w
+
+
+def test_a_whole_membership_maps_nothing():
+    m = Membership(4)
+    assert (m.n_alive, m.whole, m.alive.tolist()) == (4, True, [True] * 4)
+    assert [m.comm_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    rows = np.arange(8.0).reshape(4, 2)
+    assert m.spread(rows) is rows  # the default path: no copy
+    blocks = [np.ones((r, 3)) for r in range(4)]
+    assert m.spread_blocks(blocks, 3) is blocks
+
+
+def test_a_shrink_keeps_the_survivors_logical_ranks():
+    m = Membership(6)
+    assert m.keep([0, 2, 3, 5]) == [1, 4]  # communicator ranks 1 and 4 (logical 1 and 4) are gone
+    assert m.members.tolist() == [0, 2, 3, 5] and not m.whole and m.n_alive == 4
+    assert m.alive.tolist() == [True, False, True, True, False, True]
+    assert [m.comm_rank(r) for r in (0, 2, 3, 5)] == [0, 1, 2, 3]
+    assert [m.logical(k) for k in range(4)] == [0, 2, 3, 5]
+    with pytest.raises(ValueError, match="rank 4 was lost"):
+        m.comm_rank(4)
+    with pytest.raises(ValueError, match="rank 9 was lost"):
+        m.comm_rank(9)
+    assert m.keep([1, 2, 3]) == [0]  # a second loss: communicator ranks of the shrunk communicator
+    assert m.members.tolist() == [2, 3, 5]
+
+
+def test_rows_of_the_survivors_are_spread_to_their_logical_ranks():
+    m = Membership(5, [1, 3])
+    got = m.spread(np.array([[1.0, 1.5], [3.0, 3.5]]))
+    assert got.shape == (5, 2) and got[1].tolist() == [1.0, 1.5] and got[3].tolist() == [3.0, 3.5]
+    assert not got[[0, 2, 4]].any()
+    blocks = m.spread_blocks([np.ones((2, 3)), np.ones((1, 3))], 3)
+    assert [b.shape for b in blocks] == [(0, 3), (2, 3), (0, 3), (1, 3), (0, 3)]
+
+
+def test_survivors_of_a_larger_job_are_sorted_and_must_match_the_processes():
+    m = Membership.of_survivors([5, 2, 7], 8, processes=3)
+    assert m.members.tolist() == [2, 5, 7] and m.size == 8 and m.logical(1) == 5
+    with pytest.raises(ValueError, match="2 survivors need as many ranks; this job has 3"):
+        Membership.of_survivors([1, 4], 8, processes=3)
 
 
 def test_a_survivor_keeps_its_logical_rank_and_the_job_its_size(survivor):
@@ -60,7 +105,7 @@ def test_mpich_has_no_ulfm_and_says_how_to_get_it():
 
 
 def test_open_mpi_without_ft_flags_is_refused(monkeypatch):
-    monkeypatch.setattr(World, "library_version", staticmethod(lambda: "Open MPI v5.0.11"))
+    monkeypatch.setattr(launcher, "library_version", lambda: "Open MPI v5.0.11")
     assert "--with-ft ulfm" in ulfm_problem(env={})
     assert ulfm_problem(env={"OMPI_MCA_mpi_ft_enable": "1"}) is None
 

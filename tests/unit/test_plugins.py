@@ -256,10 +256,10 @@ def test_version_and_help_are_plain(capsys):
 
 
 def test_the_mpi_library_string_has_no_nul(monkeypatch):
-    from communities.runtime import comm
+    from communities.runtime import comm, launcher
 
     fake = types.SimpleNamespace(Get_library_version=lambda: "Open MPI v5.0.8, package: Open MPI\n ident\0")
-    monkeypatch.setattr(comm, "_mpi", lambda: fake)
+    monkeypatch.setattr(launcher, "mpi", lambda: fake)
     assert comm.World.library_version() == "Open MPI v5.0.8, package: Open MPI"
 
 

@@ -1,9 +1,9 @@
-"""The watchdog's roll call (communities/runtime/comm.py): which ranks have not arrived in a collective.
+"""The watchdog's roll call (communities/runtime/watchdog.py): which ranks have not arrived in a collective.
 
 The message is built by a pure function from the answers; the answers themselves cross MPI under mpiexec
 (tests/mpi/test_faults_mpi.py stalls a rank before an Allreduce and checks the message names it).
 """
-from communities.runtime.comm import RollCall, missing_ranks
+from communities.runtime.watchdog import RollCall, missing_ranks
 
 
 def test_the_ranks_behind_the_collective_are_named_with_what_they_do():

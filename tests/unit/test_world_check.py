@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from communities.runtime.comm import launcher_mismatch, launcher_world_size
+from communities.runtime.launcher import launcher_mismatch, launcher_world_size
 from tests.helpers.mpi import ROOT
 
 

@@ -1,0 +1,112 @@
+"""Point-to-point calls between two logical ranks: the partners' exchanges, and the async protocol's messages.
+
+Every message has a ``Tag`` of its own kind. A blocking call is watched (``watchdog``); the bytes sent count as
+training traffic (a caller meters them otherwise: ``Traffic.metered``).
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .membership import Membership
+from .staging import Staging
+from .traffic import Traffic
+from .watchdog import Watchdog
+
+
+class Tag(IntEnum):
+    """Point-to-point message tags: one per kind of message, so no two can be confused."""
+
+    HEADER = 1  # the exchange header (merge metadata) partners swap before the weights
+    WEIGHTS = 2  # the flat weights, one chunk at a time
+    OPTIMIZER = 3  # optimizer moments (merge.optimizer_state: average)
+    EXAMPLE_COUNT = 5  # hard-example passing: how many examples each side sends
+    EXAMPLE_FLOATS = 6  # ... their features and confidences
+    EXAMPLE_INTS = 7  # ... their labels, ids, states and visited sets
+    SEEN_AT = 8  # merge.partner_policy least_recent: the record of when the model saw each shard
+    CONTROL = 9  # protocol async: pairing messages (kind, request id, unit, flags) and stop notices
+    SIG_VERSIONS = 10  # protocol async: the versions of a rank's signature table
+    SIGNATURES = 11  # protocol async: the signature rows a partner lacks
+    VECTOR_SIZE = 12  # the length of a variable-length buffer that follows
+
+
+class PointToPoint(Traffic):
+    """The point-to-point half of ``World``, which sets the attributes below."""
+
+    comm: Any
+    MPI: Any
+    membership: Membership
+    staging: Staging
+    watchdog: Watchdog
+    _posted: List[Tuple[Any, np.ndarray]]  # non-blocking sends in flight, with their buffers
+
+    def _p(self, rank: int) -> int:
+        """The communicator rank of logical ``rank`` (which must be alive)."""
+        return self.membership.comm_rank(rank)
+
+    def sendrecv(self, send: torch.Tensor, recv: torch.Tensor, peer: int, tag: int = 0) -> None:
+        """Blocking exchange of two equal-sized contiguous tensors with ``peer``."""
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError("sendrecv needs contiguous tensors")
+        p = self._p(peer)
+        with self.staging.buffer(send, "send", recv=False) as s, self.staging.buffer(recv, "recv", send=False) as r:
+            with self.watchdog.waiting(f"Sendrecv of weights with rank {peer}"):
+                self.comm.Sendrecv(s, dest=p, sendtag=tag, recvbuf=r, source=p, recvtag=tag)
+        self.bytes_sent += send.numel() * send.element_size()
+
+    def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
+        """Exchange a small numeric array of the same shape and dtype with ``peer``."""
+        send = np.ascontiguousarray(send)
+        recv = np.empty_like(send)
+        with self.watchdog.waiting(f"Sendrecv with partner rank {peer}"):
+            self.comm.Sendrecv(send, dest=self._p(peer), sendtag=tag, recvbuf=recv, source=self._p(peer), recvtag=tag)
+        self.bytes_sent += send.nbytes
+        return recv
+
+    def sendrecv_vector(self, send: np.ndarray, peer: int, tag: int) -> np.ndarray:
+        """Exchange float64 vectors whose lengths differ: the lengths first, then one Sendrecv."""
+        send = np.ascontiguousarray(send, dtype=np.float64).reshape(-1)
+        n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
+        recv = np.empty(int(n[0]), dtype=np.float64)
+        with self.watchdog.waiting(f"Sendrecv with partner rank {peer}"):
+            self.comm.Sendrecv(send, dest=self._p(peer), sendtag=tag, recvbuf=recv, source=self._p(peer), recvtag=tag)
+        self.bytes_sent += send.nbytes
+        return recv
+
+    # -- small messages, polled (protocol async)
+
+    def post_ints(self, values: np.ndarray, dest: int, tag: int) -> None:
+        """A non-blocking send of a few int64; the buffer is kept until the send completes."""
+        buf = np.ascontiguousarray(values, dtype=np.int64)
+        self._posted.append((self.comm.Isend(buf, dest=dest, tag=tag), buf))
+        self.bytes_sent += buf.nbytes
+        if len(self._posted) > 64:
+            self._posted = [(r, b) for r, b in self._posted if not r.Test()]
+
+    def poll_ints(self, tag: int, count: int) -> Optional[Tuple[int, np.ndarray]]:
+        """(source, values) of one waiting message of ``count`` int64 with ``tag``, or None (Iprobe: never blocks)."""
+        status = self.MPI.Status()
+        if not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=tag, status=status):
+            return None
+        src = status.Get_source()
+        return src, self.recv_ints(src, tag, count)
+
+    def recv_ints(self, source: int, tag: int, count: int) -> np.ndarray:
+        buf = np.empty(count, dtype=np.int64)
+        with self.watchdog.waiting(f"Recv of a control message from rank {source}"):
+            self.comm.Recv(buf, source=source, tag=tag)
+        return buf
+
+    def complete_posts(self) -> None:
+        """Wait for every non-blocking send still in flight (before finalising, or a collective phase)."""
+        with self.watchdog.waiting("completion of non-blocking sends"):
+            for req, _ in self._posted:
+                req.Wait()
+        self._posted = []
+
+    def ibarrier(self):
+        """A non-blocking barrier: ``Test()`` is True once every rank has posted it."""
+        return self.comm.Ibarrier()

@@ -1,0 +1,46 @@
+"""Bytes this rank sent, by kind: what the summary reports and a resumed run keeps counting.
+
+``bytes_sent`` is training traffic (merges, signatures, averages that change the weights); the other kinds are
+kept apart so that they never inflate it: ``monitoring`` (consensus-model evaluations), ``data`` (training
+examples passed between partners) and ``control`` (collectives that only coordinate the ranks: set-up
+broadcasts, stop votes and flags, counts, log gathers). Counts follow a simple model of each call (what one
+rank puts on the wire), the same on every MPI library.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+
+class Traffic:
+    """The byte counters of one rank."""
+
+    COUNTERS = ("bytes_sent", "bytes_monitoring", "bytes_data", "bytes_control")
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_monitoring = 0
+        self.bytes_data = 0
+        self.bytes_control = 0
+
+    @contextlib.contextmanager
+    def metered(self, kind: str) -> Iterator[None]:
+        """Count the bytes sent inside the block in ``bytes_<kind>`` (monitoring, data), not ``bytes_sent``."""
+        before = self.bytes_sent
+        try:
+            yield
+        finally:
+            setattr(self, f"bytes_{kind}", getattr(self, f"bytes_{kind}") + self.bytes_sent - before)
+            self.bytes_sent = before
+
+    def monitoring(self):
+        """Bytes sent inside the block only measure (consensus-model evaluations): not training traffic."""
+        return self.metered("monitoring")
+
+    def state_dict(self) -> dict:
+        """The byte counters (a resumed run keeps counting where it stopped)."""
+        return {key: int(getattr(self, key)) for key in self.COUNTERS}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in self.COUNTERS:
+            setattr(self, key, int(state.get(key, 0)))  # (a checkpoint written before a kind was counted: 0)
