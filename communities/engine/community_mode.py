@@ -22,11 +22,12 @@ dispersion inside one community, in place of the world's.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
+from ..config import Config
 from ..core import clustering, conflict, signature
 from ..runtime.comm import World
 from .replica import Replica
@@ -89,7 +90,7 @@ class MergeProbe:
 class CommunityMode:
     """The freeze of ``consensus.mode`` for one rank: when, which communities, and (auto) the evidence."""
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, strategy: Strategy):
+    def __init__(self, cfg: Config, world: World, timer: Timer, replica: Replica, strategy: Strategy):
         self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
         self.mode = cfg.consensus.mode
         self.candidate: Optional[np.ndarray] = None  # the communities weighed (auto) or frozen (communities)
@@ -157,9 +158,10 @@ class CommunityMode:
         """summary.json's ``consensus_mode``: the decision and the evidence behind it."""
         if self.mode == "global":
             return None
-        out = {"mode": self.mode, "decision": "communities" if self.frozen is not None else "consensus",
-               "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
-               "communities": None if self.frozen is None else int(self.frozen.max()) + 1}
+        out: Dict[str, Any] = {"mode": self.mode,
+                               "decision": "communities" if self.frozen is not None else "consensus",
+                               "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
+                               "communities": None if self.frozen is None else int(self.frozen.max()) + 1}
         if self.mode == "auto":
             out["evidence"] = {"thresholds": {"auto_harm": self.cfg.consensus.auto_harm,
                                               "auto_min_merges": self.cfg.consensus.auto_min_merges},
