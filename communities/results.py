@@ -399,6 +399,28 @@ class MergeRow(_Record):
     bytes: int
     event: int  # an Event
 
+    @classmethod
+    def pairwise(cls, t: int, rank: int, partner: int, initiator: int, a: float, update: float, distance: float,
+                 sent: int, event: Event) -> "MergeRow":
+        """This rank's side of an exchange with ``partner`` (merged, skipped or reset: ``event``)."""
+        return cls(t, rank, partner, initiator, a, update, distance, sent, int(event))
+
+    @classmethod
+    def global_average(cls, t: int, rank: int, update: float, sent: int, event: Event = Event.AVERAGE
+                       ) -> "MergeRow":
+        """This rank's side of a global average (local_sgd, diloco, ifca): no partner, full weight on the mean."""
+        return cls(t, rank, -1, -1, 1.0, update, float("nan"), sent, int(event))
+
+    @classmethod
+    def declined(cls, t: int, rank: int, partner: int, event: Event) -> "MergeRow":
+        """protocol async: a request of this rank to ``partner`` that ended without an exchange (busy, timeout)."""
+        return cls(t, rank, partner, rank, 0.0, 0.0, float("nan"), 0, int(event))
+
+    @classmethod
+    def lost(cls, t: int, rank: int) -> "MergeRow":
+        """comm.fault_tolerance shrink: ``rank`` was lost; the survivors went on from unit t."""
+        return cls(t, rank, -1, -1, 0.0, 0.0, float("nan"), 0, int(Event.LOST))
+
     def to_json(self, rule: str) -> dict:
         return {"t": self.t, "i": self.i, "j": self.j, "initiator": self.initiator, "a": self.a,
                 "update_norm": finite_or_none(self.update_norm), "distance": finite_or_none(self.distance),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -65,16 +65,13 @@ class AsyncMixer(Mixer):
     def between_batches(self):
         return self.serve
 
-    def mix(self, t: int) -> List[MergeRow]:
+    def _step(self, t: int) -> None:
         """After unit t: serve what waits, then start this rank's merge if its timer fires."""
         self.t = t
-        self.seen_at[self.rank] = t
         self.serve()
         if t >= self.next_fire:
             self.next_fire = t + protocol.merge_interval(self.cfg.seed, t, self.rank, self.cfg.merge.lam)
             self._initiate(t)
-        events, self._events = self._events, []
-        return events
 
     def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[str]:
         """A stop asked here (broadcast to every rank, once) or heard from another rank; or the wall budget."""
@@ -165,19 +162,17 @@ class AsyncMixer(Mixer):
             reason, partner = self._own_end or ("exchanged", target)
             if reason == "busy":
                 tried[partner] = True
-                self._events.append(MergeRow(t, self.rank, partner, self.rank, 0.0, 0.0, float("nan"), 0,
-                                             int(Event.BUSY)))
+                self.record(MergeRow.declined(t, self.rank, partner, Event.BUSY))
                 continue
             if reason == "timeout":
-                self._events.append(MergeRow(t, self.rank, partner, self.rank, 0.0, 0.0, float("nan"), 0,
-                                             int(Event.TIMEOUT)))
+                self.record(MergeRow.declined(t, self.rank, partner, Event.TIMEOUT))
                 log.info(f"communities: rank {self.rank} at t={t}: rank {partner} did not answer within "
                          f"comm.timeout={self.cfg.comm.timeout:g}s; skipped")
             return
 
     def _draw(self, t: int, tried: np.ndarray) -> Tuple[Optional[int], int]:
-        """This rank's partner at t (not a tried or excluded one), and the request's flags."""
-        excluded = self.excluded | tried
+        """This rank's partner at t (not a tried or unavailable one: outliers, lost ranks), and the request's flags."""
+        excluded = self.unavailable | tried
         plan = self.strategy.exchanges(t, np.array([self.rank]), excluded)
         if plan:
             return plan[0][1], 0

@@ -22,16 +22,17 @@ dispersion inside one community, in place of the world's.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
+from ..config import Config
 from ..core import clustering, conflict, signature
 from ..runtime.comm import World
 from .replica import Replica
 from .rounds import RoundResult
-from .strategies import Community, Strategy
+from .strategies import Strategy
 from .timer import Timer
 
 
@@ -55,7 +56,7 @@ class MergeProbe:
 
     def active(self) -> bool:
         """Merges are scored once there is a candidate, until the communities are frozen."""
-        return self.labels is not None and getattr(self.strategy, "frozen", None) is None
+        return self.labels is not None and self.strategy.frozen_labels() is None
 
     def merged(self, partner: int, before: torch.Tensor, a: float) -> None:
         """After a merge with ``partner`` (this rank's weights were ``before``, are now merged with weight a)."""
@@ -70,7 +71,9 @@ class MergeProbe:
         acc_b, loss_b = r.evaluate_on(x, y, before)
         acc_a, loss_a = r.evaluate_on(x, y, after)
         acc_p, loss_p = r.evaluate_on(x, y, partner_w)
-        kind = "intra" if self.labels[partner] == self.labels[self.rank] else "cross"
+        labels = self.labels
+        assert labels is not None  # scored only while active()
+        kind = "intra" if labels[partner] == labels[self.rank] else "cross"
         conflict.record(self.row, kind, n, loss_b * n, loss_a * n, loss_p * n, acc_b * n, acc_a * n, acc_p * n)
 
     def take(self) -> np.ndarray:
@@ -87,7 +90,7 @@ class MergeProbe:
 class CommunityMode:
     """The freeze of ``consensus.mode`` for one rank: when, which communities, and (auto) the evidence."""
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, strategy: Strategy):
+    def __init__(self, cfg: Config, world: World, timer: Timer, replica: Replica, strategy: Strategy):
         self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
         self.mode = cfg.consensus.mode
         self.candidate: Optional[np.ndarray] = None  # the communities weighed (auto) or frozen (communities)
@@ -99,7 +102,8 @@ class CommunityMode:
 
     @property
     def frozen(self) -> Optional[np.ndarray]:
-        return getattr(self.strategy, "frozen", None)
+        """The frozen communities' labels (None: not frozen), as the strategy holds them."""
+        return self.strategy.frozen_labels()
 
     def observe(self, rnd: RoundResult) -> Optional[dict]:
         """A signature round (after the mixer took its communities): freeze when due; returns round.json's entry."""
@@ -128,9 +132,10 @@ class CommunityMode:
 
     def _weigh(self, rnd: RoundResult) -> None:
         """auto: every rank's evidence since the last round, allgathered; the same verdict everywhere."""
-        cc = self.cfg.consensus
+        cc, probe = self.cfg.consensus, self.probe
+        assert probe is not None  # auto
         with self.timer("idle"):
-            rows = self.world.allgather(self.probe.take())
+            rows = self.world.allgather(probe.take())
         self.totals += rows
         verdict = conflict.decide(self.totals, cc.auto_harm, cc.auto_min_merges)
         self.verdict = {"round": rnd.index, "t": rnd.t, **verdict.to_dict()}
@@ -138,7 +143,7 @@ class CommunityMode:
             self._freeze(rnd)
 
     def _freeze(self, rnd: RoundResult) -> None:
-        assert isinstance(self.strategy, Community) and self.candidate is not None
+        assert self.candidate is not None
         self.strategy.freeze(self.candidate)
         self.frozen_round, self.frozen_t = rnd.index, rnd.t
 
@@ -153,9 +158,10 @@ class CommunityMode:
         """summary.json's ``consensus_mode``: the decision and the evidence behind it."""
         if self.mode == "global":
             return None
-        out = {"mode": self.mode, "decision": "communities" if self.frozen is not None else "consensus",
-               "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
-               "communities": None if self.frozen is None else int(self.frozen.max()) + 1}
+        out: Dict[str, Any] = {"mode": self.mode,
+                               "decision": "communities" if self.frozen is not None else "consensus",
+                               "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
+                               "communities": None if self.frozen is None else int(self.frozen.max()) + 1}
         if self.mode == "auto":
             out["evidence"] = {"thresholds": {"auto_harm": self.cfg.consensus.auto_harm,
                                               "auto_min_merges": self.cfg.consensus.auto_min_merges},

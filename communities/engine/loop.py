@@ -154,7 +154,7 @@ class Engine:
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
         decision = self._round(t) if self.rounds.due(t) else None
         self.log.consensus(self.consensus.evaluate_due(t))
-        self.progress.update(t, self.rounds.counts[-1] if self.rounds.counts else None, self.rounds.last_dispersion,
+        self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss)
         if decision is not None and decision.stop:  # identical on every rank (virtual clock): a stop signal is moot
             return True

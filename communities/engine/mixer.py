@@ -1,25 +1,29 @@
-"""The mixer: who mixes with whom, and how, under the virtual-clock protocol.
+"""The mixer: how ranks combine, under the virtual-clock protocol.
 
-Each unit the strategy (``strategies.py``) takes its mixing step through the
-mixer: pairwise exchanges in the order of the unit's exchange list, a global
-average, or (``allreduce``) a gradient Allreduce inside training. The mixer
-owns how bytes are combined: the header and weight swap (``PairExchange``), the
-merge rule and what travels with it (optimizer moments, the record of which
-shards a model has seen, hard examples), the DiLoCo outer step, and the merge
-events it returns for the run log and the consensus.
+Each unit the strategy (``strategies.py``) says who mixes when, and takes its
+step through the mixer's operations (``strategies.Mixing``): pairwise exchanges
+in the order of the unit's exchange list, a global average, IFCA's masked
+average of its k models, or (``allreduce``) a gradient Allreduce inside
+training. The mixer owns how bytes are combined: the header and weight swap
+(``PairExchange``), the merge rule and what travels with it (optimizer moments,
+the record of which shards a model has seen, hard examples), the outer steps,
+the collectives of the global averages, and the merge events it returns for
+the run log and the consensus.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 
+from ..config import Config
 from ..core import merge, partners
 from ..core.partners import Law
 from ..core.protocol import RunningDigest
 from ..results import Event, MergeRow
 from ..runtime.comm import Tag, World
+from ..workload import models
 from . import strategies
 from .example_tracker import distance_factor
 from .exchange import Header, PairExchange, decide
@@ -31,7 +35,7 @@ from .timer import Timer
 class Mixer:
     """The virtual-clock mixer of one rank (the default ``protocol``)."""
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest):
+    def __init__(self, cfg: Config, world: World, timer: Timer, replica: Replica, agreement: RunningDigest):
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         self.rank, self.n = world.rank, world.size
         self.strategy = strategies.make(cfg, self.n)
@@ -41,6 +45,8 @@ class Mixer:
         self.excluded = np.zeros(self.n, dtype=bool)  # robust outliers of the latest round: no exchanges
         self.probe = None  # consensus.mode auto: scores each merge on the local validation data (community_mode.py)
         self._events: List[MergeRow] = []
+        self.grad_sync: Optional[Callable[[], None]] = None  # called between backward and the optimizer step
+        self.unit_steps: Optional[int] = None  # fixed steps per unit (every rank must take as many)
         self.strategy.prepare(self)
 
     # ------------------------------------------------------------------ what the loop asks
@@ -48,24 +54,24 @@ class Mixer:
     def mix(self, t: int) -> List[MergeRow]:
         """Unit t's mixing step (every rank trained unit t); returns this rank's merge events."""
         self.seen_at[self.rank] = t
-        self.strategy.mix(t, self)
+        self._step(t)
         events, self._events = self._events, []
         return events
 
+    def _step(self, t: int) -> None:
+        """Under the virtual clock the strategy takes the step; its operations record the events."""
+        self.strategy.mix(t, self)
+
+    def record(self, row: MergeRow) -> None:
+        """A merge event of this unit's step (the strategies' own: ifca), returned by ``mix``."""
+        self._events.append(row)
+
     between_batches = None  # the virtual clock mixes only between units
-
-    @property
-    def grad_sync(self):
-        return self.strategy.grad_sync
-
-    @property
-    def unit_steps(self) -> Optional[int]:
-        return self.strategy.unit_steps
 
     def observe(self, rnd: RoundResult) -> None:
         """A new signature round: its communities set the partner law, its outliers are left out."""
         self.excluded = rnd.outliers
-        self.replica.outlier = bool(rnd.outliers[self.rank])
+        self.replica.set_outlier(bool(rnd.outliers[self.rank]))
         self.strategy.observe(rnd.communities, self, rnd.t)
 
     @property
@@ -177,6 +183,24 @@ class Mixer:
 
     # ------------------------------------------------------------------ how: global
 
+    def enable_outer(self, anchor: bool = False) -> None:
+        """An outer optimizer (merge.outer) on merges, or with an anchor on global averages (diloco)."""
+        self.replica.enable_outer(self.cfg.merge.outer, anchor=anchor)
+
+    def sync_gradients(self) -> None:
+        """allreduce: the flat gradient Allreduce-averaged at every step, and every rank taking as many steps."""
+        replica, world, timer = self.replica, self.world, self.timer
+        flat_grad = models.bind_flat_grad_(replica.model)
+
+        def average_gradients() -> None:
+            with timer("exchange"), timer.collective("gradient_allreduce"):  # waits settle into idle
+                world.allreduce_mean_(flat_grad)
+
+        self.grad_sync = average_gradients
+        if self.cfg.train.unit == "epoch":  # each step is a collective: every rank must take as many
+            longest = max(s.indices.size for s in replica.shards)
+            self.unit_steps = -(-longest // self.cfg.train.batch_size)
+
     def average(self, t: int) -> None:
         """local_sgd: every rank takes the Allreduce mean; diloco: an outer step on the mean's pseudo-gradient."""
         r = self.replica
@@ -185,6 +209,7 @@ class Mixer:
             before = r.flat.clone()
             mean = r.masked_mean()
             if r.anchor is not None:
+                assert r.outer is not None  # an anchor comes with its outer optimizer (diloco)
                 r.outer.step_(r.anchor, mean)  # mean <- anchor - lr * nesterov(anchor - mean)
                 r.anchor.copy_(mean)
             event = Event.AVERAGE
@@ -196,8 +221,34 @@ class Mixer:
                     r.diverged, event = False, Event.RESET
                 r.flat.copy_(mean)
             update = float(torch.dist(r.flat, before))
-        self._events.append(MergeRow(t, self.rank, -1, -1, 1.0, update, float("nan"), self.world.bytes_sent - sent0,
-                                     int(event)))
+        self.record(MergeRow.global_average(t, self.rank, update, self.world.bytes_sent - sent0, event))
+
+    def ifca_average(self, models_: torch.Tensor, pick: int) -> int:
+        """ifca: each of the k shared models (the rows of ``models_``, alike on every rank) becomes the mean of
+        the ranks that trained it (this rank: ``pick``, unless it does not ``keep``); returns the bytes sent.
+
+        One *masked* Allreduce: a (k, P) buffer holding this rank's weights in the slot of its pick and zeros
+        elsewhere, summed over the world with the k pick counts. It equals what a Comm.Split by pick and an
+        Allreduce inside would give (adding zeros is exact), and every rank leaves it holding all k models: a
+        model nobody took keeps its weights. Why not the split: the ranks would then need the other groups'
+        models too (k broadcasts, k times one model's bytes, as this costs), and a communicator built per step;
+        one collective does both.
+        """
+        r, world = self.replica, self.world
+        sent0 = world.bytes_sent
+        with self.timer("exchange"):
+            total = torch.zeros_like(models_)
+            counts = np.zeros(models_.shape[0])
+            if r.keep:
+                total[pick].copy_(r.flat)
+                counts[pick] = 1.0
+            with self.timer.collective("ifca_average"):
+                world.allreduce_sum_(total.view(-1))
+                counts = world.allreduce_array(counts)
+            for j in range(models_.shape[0]):
+                if counts[j] > 0:
+                    models_[j].copy_(total[j].div_(counts[j]))
+        return world.bytes_sent - sent0
 
     # ------------------------------------------------------------------ checkpoints
 

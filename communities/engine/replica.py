@@ -302,6 +302,10 @@ class Replica:
 
     # ------------------------------------------------------------------ averages
 
+    def set_outlier(self, outlier: bool) -> None:
+        """robust.enabled: whether the latest signature round left this rank out of averages."""
+        self.outlier = outlier
+
     @property
     def keep(self) -> bool:
         """Whether this rank's weights count in averages and the consensus model."""

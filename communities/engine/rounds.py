@@ -180,6 +180,11 @@ class SignatureRounds:
             self.pending[0].Wait()  # watched like a blocking collective
             self.pending = (_Done(), self.pending[1], None)
 
+    @property
+    def latest_count(self) -> Optional[int]:
+        """The number of communities of the latest round (None before the first)."""
+        return self.counts[-1] if self.counts else None
+
     def state_dict(self) -> dict:
         self.drain()  # its result is needed after a resume
         return {"pending": None if self.pending is None else torch.from_numpy(self.pending[1].copy()),

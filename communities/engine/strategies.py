@@ -21,23 +21,71 @@ Global strategies average over all ranks:
   best (Ghosh et al. 2020), averaged by one masked Allreduce.
 
 A strategy decides *who* mixes *when*; the mixer (``mixer.py``) owns *how*: the
-pairwise exchange, the global average, the gradient Allreduce.
+pairwise exchange, the global average, IFCA's masked average, the gradient
+Allreduce. A strategy reaches them only through ``Mixing``, the operations the
+mixer offers it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Type
+from typing import Callable, Dict, List, Optional, Protocol, Type
 
 import numpy as np
 import torch
 
+from ..config import Config
 from ..core import partners, protocol, schedule
 from ..core.clustering import Communities
 from ..core.partners import Law
+from ..core.protocol import RunningDigest
 from ..results import Event, MergeRow
+from ..runtime.comm import World
 from ..workload import models
+from .replica import Replica
+from .timer import Timer
 
-if TYPE_CHECKING:
-    from .mixer import Mixer
+
+class Mixing(Protocol):
+    """What a strategy may ask of the mixer: what it reads, the operations that combine ranks, and where its own
+    merge events go. ``mixer.Mixer`` (and the asynchronous one) provide it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> World: ...
+
+    @property
+    def replica(self) -> Replica: ...
+
+    @property
+    def timer(self) -> Timer: ...
+
+    @property
+    def agreement(self) -> RunningDigest: ...
+
+    @property
+    def seen_at(self) -> np.ndarray: ...
+
+    @property
+    def unavailable(self) -> np.ndarray: ...
+
+    def exchange(self, t: int, partner: int, initiator: int) -> None:
+        """Swap weights with ``partner`` and apply the merge rule on both sides."""
+
+    def average(self, t: int) -> None:
+        """Every rank takes the Allreduce mean (an outer step on it with an anchor: diloco)."""
+
+    def ifca_average(self, models_: torch.Tensor, pick: int) -> int:
+        """Each of the k shared models becomes the mean of the ranks that trained it; returns the bytes sent."""
+
+    def enable_outer(self, anchor: bool = False) -> None:
+        """An outer optimizer on merges, or with an anchor on global averages."""
+
+    def sync_gradients(self) -> None:
+        """Average the gradients at every training step."""
+
+    def record(self, row: MergeRow) -> None:
+        """A merge event of the unit's step."""
 
 
 class Strategy:
@@ -45,22 +93,26 @@ class Strategy:
 
     name = "isolated"
 
-    def __init__(self, cfg, n: int):
+    def __init__(self, cfg: Config, n: int):
         self.cfg, self.n = cfg, n
         self.communities: Optional[Communities] = None
 
-    def prepare(self, mixer: "Mixer") -> None:
+    def prepare(self, mixer: Mixing) -> None:
         """Once, after the replica is built and before the first unit."""
 
-    def mix(self, t: int, mixer: "Mixer") -> None:
+    def mix(self, t: int, mixer: Mixing) -> None:
         """Unit t's mixing step, after every rank trained the unit."""
 
-    grad_sync: Optional[Callable[[], None]] = None  # called between backward and the optimizer step
-    unit_steps: Optional[int] = None  # fixed steps per unit (every rank must take as many)
-
-    def observe(self, communities: Communities, mixer: "Mixer", t: int) -> None:
+    def observe(self, communities: Communities, mixer: Mixing, t: int) -> None:
         """A new signature round's communities."""
         self.communities = communities
+
+    def frozen_labels(self) -> Optional[np.ndarray]:
+        """The communities frozen by ``consensus.mode`` (None: not frozen; only ``community`` freezes)."""
+        return None
+
+    def freeze(self, labels: np.ndarray) -> None:
+        raise ValueError(f"strategy={self.name!r} has no communities to freeze (consensus.mode needs 'community')")
 
     def law(self, t: int) -> Optional[Law]:
         """The partner law in force at t (None: no pairwise partners)."""
@@ -88,24 +140,24 @@ class Gossip(Strategy):
 
     name = "gossip"
 
-    def __init__(self, cfg, n: int):
+    def __init__(self, cfg: Config, n: int):
         super().__init__(cfg, n)
         self.clock = protocol.MergeClock(n, cfg.seed, cfg.merge.lam)
         self._heights: Optional[np.ndarray] = None
         self.bias: Optional[np.ndarray] = None  # (N, N) factors on the law (merge.partner_policy: least_recent)
 
-    def prepare(self, mixer: "Mixer") -> None:
+    def prepare(self, mixer: Mixing) -> None:
         if self.cfg.merge.outer.enabled:
-            mixer.replica.enable_outer(self.cfg.merge.outer)
+            mixer.enable_outer()
 
-    def mix(self, t: int, mixer: "Mixer") -> None:
+    def mix(self, t: int, mixer: Mixing) -> None:
         """Every rank derives the same ordered exchange list and performs its own exchanges in list order."""
         plan = self.exchanges(t, self.clock.fire(t), mixer.unavailable)
         mixer.agreement.update(np.asarray(plan, dtype=np.int64).reshape(-1, 2))
         for partner, (initiator, _) in protocol.my_exchanges(plan, mixer.rank):
             mixer.exchange(t, partner, initiator)
 
-    def observe(self, communities: Communities, mixer: "Mixer", t: int) -> None:
+    def observe(self, communities: Communities, mixer: Mixing, t: int) -> None:
         super().observe(communities, mixer, t)
         self._heights = None
         if self.cfg.merge.partner_policy == "least_recent":
@@ -133,16 +185,17 @@ class Gossip(Strategy):
         if law is None or len(initiators) == 0:
             return []
         probabilities = self.probabilities(law)
+        ranks = [int(i) for i in initiators]
         if excluded is None or not excluded.any():
-            return protocol.exchange_list(initiators, t, self.cfg.seed, probabilities)
-        initiators = [i for i in initiators if not excluded[i]]
+            return protocol.exchange_list(ranks, t, self.cfg.seed, probabilities)
+        ranks = [i for i in ranks if not excluded[i]]
 
         def eligible(i: int) -> np.ndarray:
             p = np.where(excluded, 0.0, probabilities(i))
             total = p.sum()
             return p / total if total > 0 else p
 
-        return protocol.exchange_list(initiators, t, self.cfg.seed, eligible)
+        return protocol.exchange_list(ranks, t, self.cfg.seed, eligible)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "clock": torch.from_numpy(self.clock.state()),
@@ -164,9 +217,12 @@ class Community(Gossip):
 
     name = "community"
 
-    def __init__(self, cfg, n: int):
+    def __init__(self, cfg: Config, n: int):
         super().__init__(cfg, n)
         self.frozen: Optional[np.ndarray] = None  # community labels no cross merge may join any more
+
+    def frozen_labels(self) -> Optional[np.ndarray]:
+        return self.frozen
 
     def freeze(self, labels: np.ndarray) -> None:
         self.frozen = np.asarray(labels, dtype=np.int64).copy()
@@ -224,11 +280,11 @@ class LocalSGD(Strategy):
     name = "local_sgd"
     outer = False  # the mean is a pseudo-gradient for an outer step (diloco)
 
-    def prepare(self, mixer: "Mixer") -> None:
+    def prepare(self, mixer: Mixing) -> None:
         if self.outer:
-            mixer.replica.enable_outer(self.cfg.merge.outer, anchor=True)
+            mixer.enable_outer(anchor=True)
 
-    def mix(self, t: int, mixer: "Mixer") -> None:
+    def mix(self, t: int, mixer: Mixing) -> None:
         if t % self.cfg.merge.period == 0:
             mixer.average(t)
 
@@ -245,18 +301,8 @@ class Allreduce(Strategy):
 
     name = "allreduce"
 
-    def prepare(self, mixer: "Mixer") -> None:
-        replica, world, timer = mixer.replica, mixer.world, mixer.timer
-        flat_grad = models.bind_flat_grad_(replica.model)
-
-        def average_gradients() -> None:
-            with timer("exchange"), timer.collective("gradient_allreduce"):  # waits settle into idle
-                world.allreduce_mean_(flat_grad)
-
-        self.grad_sync = average_gradients
-        if self.cfg.train.unit == "epoch":  # every rank must take the same number of steps
-            longest = max(s.indices.size for s in replica.shards)
-            self.unit_steps = -(-longest // self.cfg.train.batch_size)
+    def prepare(self, mixer: Mixing) -> None:
+        mixer.sync_gradients()
 
 
 class IFCA(Strategy):
@@ -264,30 +310,21 @@ class IFCA(Strategy):
 
     Every ``merge.period`` units each rank scores the k models on its own shard,
     takes the one with the lowest loss, trains it for the period, and the ranks
-    that took the same model average it. Model 0 starts from the run's shared
-    initialisation, models 1..k-1 from their own seeded ones (IFCA needs
-    distinct starts, else every rank takes model 0).
-
-    The average is one *masked* Allreduce: a (k, P) buffer holding this rank's
-    trained model in the slot of its pick and zeros elsewhere, summed over the
-    world with the k pick counts. It equals what a Comm.Split by pick and an
-    Allreduce inside would give (adding zeros is exact), and every rank leaves it
-    holding all k models: a model nobody took keeps its weights, which every rank
-    holds alike. Why not the split: the ranks would then need the other groups'
-    models too (k broadcasts, k times one model's bytes, as this costs), and a
-    communicator built per step; one collective does both. The bytes count as
-    training traffic.
+    that took the same model average it (the mixer's ``ifca_average``: one masked
+    Allreduce; its bytes count as training traffic). Model 0 starts from the
+    run's shared initialisation, models 1..k-1 from their own seeded ones (IFCA
+    needs distinct starts, else every rank takes model 0).
     """
 
     name = "ifca"
 
-    def __init__(self, cfg, n: int):
+    def __init__(self, cfg: Config, n: int):
         super().__init__(cfg, n)
         self.k = cfg.ifca.k
         self.models = torch.zeros(0)  # (k, P): the shared models, the same on every rank after each average
         self.pick = 0  # the model this rank trains
 
-    def prepare(self, mixer: "Mixer") -> None:
+    def prepare(self, mixer: Mixing) -> None:
         r = mixer.replica
         models_ = torch.empty((self.k, r.flat.numel()), dtype=r.flat.dtype, device=r.flat.device)
         models_[0].copy_(r.flat)  # the run's shared initialisation
@@ -302,11 +339,11 @@ class IFCA(Strategy):
         self.models = models_
         self.choose(r)
 
-    def losses(self, replica) -> List[float]:
+    def losses(self, replica: Replica) -> List[float]:
         """Each shared model's loss on this rank's training shard."""
         return [replica.evaluate_on(replica.x, replica.y, self.models[j])[1] for j in range(self.k)]
 
-    def choose(self, replica) -> int:
+    def choose(self, replica: Replica) -> int:
         """Take the model with the lowest loss on the shard (the first on ties) into this rank's weights."""
         losses = np.asarray(self.losses(replica), dtype=np.float64)
         losses[~np.isfinite(losses)] = np.inf
@@ -317,29 +354,16 @@ class IFCA(Strategy):
         replica.flat.copy_(self.models[pick])
         return pick
 
-    def mix(self, t: int, mixer: "Mixer") -> None:
+    def mix(self, t: int, mixer: Mixing) -> None:
+        """Every period: the k models averaged by the ranks that trained them, then this rank's pick again."""
         if t % self.cfg.merge.period:
             return
-        r, world = mixer.replica, mixer.world
-        sent0 = world.bytes_sent
-        with mixer.timer("exchange"):
-            before = r.flat.clone()
-            total = torch.zeros_like(self.models)
-            counts = np.zeros(self.k)
-            if r.keep:
-                total[self.pick].copy_(r.flat)
-                counts[self.pick] = 1.0
-            with mixer.timer.collective("ifca_average"):
-                world.allreduce_sum_(total.view(-1))
-                counts = world.allreduce_array(counts)
-            for j in range(self.k):
-                if counts[j] > 0:
-                    self.models[j].copy_(total[j].div_(counts[j]))
+        r = mixer.replica
+        before = r.flat.clone()
+        sent = mixer.ifca_average(self.models, self.pick)
         with mixer.timer("eval"):
             self.choose(r)
-        update = float(torch.dist(r.flat, before))
-        mixer._events.append(MergeRow(t, mixer.rank, -1, -1, 1.0, update, float("nan"), world.bytes_sent - sent0,
-                                      int(Event.AVERAGE)))
+        mixer.record(MergeRow.global_average(t, mixer.rank, float(torch.dist(r.flat, before)), sent, Event.AVERAGE))
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "models": self.models.detach().cpu().clone(), "pick": self.pick}
@@ -352,10 +376,9 @@ class IFCA(Strategy):
 
 STRATEGIES: Dict[str, Type[Strategy]] = {s.name: s for s in (Community, Gossip, Ring, Strategy, LocalSGD, DiLoCo,
                                                              Allreduce, IFCA)}
-SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training
 
 
-def make(cfg, n: int) -> Strategy:
+def make(cfg: Config, n: int) -> Strategy:
     """The strategy named by ``cfg.strategy``."""
     try:
         return STRATEGIES[cfg.strategy](cfg, n)

@@ -36,8 +36,9 @@ import torch
 
 from ..errors import ConfigError, collective
 from ..manifest import complete_dirs, read_info
-from ..results import Event
+from ..results import MergeRow
 from ..runtime.comm import RankLost, World
+from .checkpoint import Stateful
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Survival(NoSurvival):
 
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
-    def __init__(self, world: World, parts: Dict[str, object], replica, lost_shard: str, rewind, log_lost):
+    def __init__(self, world: World, parts: Dict[str, Stateful], replica, lost_shard: str, rewind, log_lost):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
         self._rewind, self._log_lost = rewind, log_lost  # rank 0: drop rows after t; write the LOST rows
         self.copies: List[Tuple[int, bytes]] = []
@@ -115,15 +116,16 @@ class Survival(NoSurvival):
         lost = sorted(lost)
         for rank in lost:
             self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
+        recovered = time.time()
         record = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
-                  "detected_wall": detected, "recovered_wall": time.time()}
+                  "detected_wall": detected, "recovered_wall": recovered}
         self.recoveries.append(record)
         if world.rank == 0:
             self._rewind(t, lost=True)
             self._log_lost([e for e in self.lost if e["rank"] in lost])
             log.warning(f"communities: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}; "
                         f"{world.n_alive} survivors go on from t={t} "
-                        f"({record['recovered_wall'] - detected:.2f}s to recover)")
+                        f"({recovered - detected:.2f}s to recover)")
         return t
 
     def _adopt(self, rank: int) -> Optional[int]:
@@ -190,6 +192,5 @@ def resume_membership(world: World, run_dir: Path) -> None:
 
 def lost_rows(records: List[dict]) -> List[dict]:
     """``merges.jsonl`` rows of the ranks lost: event ``lost``, i the rank, t the unit the survivors went on from."""
-    return [{"t": e["t"], "i": e["rank"], "j": -1, "initiator": -1, "a": 0.0, "update_norm": 0.0,
-             "distance": None, "bytes": 0, "rule": "shrink", "event": Event.LOST.label,
+    return [{**MergeRow.lost(int(e["t"]), int(e["rank"])).to_json(rule="shrink"),
              **({"adopted_by": e["adopted_by"]} if e.get("adopted_by") is not None else {})} for e in records]
