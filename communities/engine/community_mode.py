@@ -46,10 +46,11 @@ class MergeProbe:
 
     def __init__(self, replica: Replica, strategy: Strategy):
         self.replica, self.strategy, self.rank = replica, strategy, replica.rank
-        y = replica.dataset.y_train
-        n_classes = replica.dataset.n_classes
-        counts = np.array(replica.label_counts) if replica.label_counts is not None else \
-            np.array([np.bincount(y[s.indices], minlength=n_classes) for s in replica.shards])  # (a sharded reader's)
+        held = replica.data
+        y = held.dataset.y_train
+        n_classes = held.dataset.n_classes
+        counts = np.array(held.label_counts) if held.label_counts is not None else \
+            np.array([np.bincount(y[s.indices], minlength=n_classes) for s in held.shards])  # (a sharded reader's)
         self.known = torch.as_tensor(conflict.known_classes(counts))  # (N, C)
         self.labels: Optional[np.ndarray] = None  # the candidate communities (set by CommunityMode)
         self.row = conflict.empty()
@@ -60,12 +61,12 @@ class MergeProbe:
 
     def merged(self, partner: int, before: torch.Tensor, a: float) -> None:
         """After a merge with ``partner`` (this rank's weights were ``before``, are now merged with weight a)."""
-        r = self.replica
-        mask = self.known[partner][r.y_local.cpu()].to(r.y_local.device)
+        r, held = self.replica, self.replica.data
+        mask = self.known[partner][held.y_local.cpu()].to(held.y_local.device)
         n = int(mask.sum())
         if n == 0 or a <= 0:
             return  # the partner knows none of this rank's validation classes: nothing to learn from it
-        x, y = r.x_local[mask], r.y_local[mask]
+        x, y = held.x_local[mask], held.y_local[mask]
         after = r.flat.clone()
         partner_w = before + (after - before) / a  # after = before + a (theirs - before)
         acc_b, loss_b = r.evaluate_on(x, y, before)

@@ -18,7 +18,6 @@ Rank 0 writes the per-community (or per-IFCA-cluster) models as ``models/communi
 """
 from __future__ import annotations
 
-import copy
 import io
 from typing import Dict, List, Optional, Tuple
 
@@ -79,7 +78,7 @@ class Delivery:
         local = r.has_local_test
         nan = float("nan")
         row = dict.fromkeys(ROW, nan)
-        row["local_size"] = float(r.y_local.numel())
+        row["local_size"] = float(r.data.y_local.numel())
         with self.timer("eval"):
             if local:
                 row["own_acc"], row["own_loss"] = r.evaluate_local()
@@ -115,7 +114,7 @@ class Delivery:
             leader = int(np.flatnonzero(self.mode.frozen == label)[0]) == world.rank
             block = model.detach().cpu().double().reshape(1, -1) if leader else np.zeros((0, model.numel()))
             got = world.gather_rows(np.asarray(block))
-            models_out = None
+            models_out: Optional[Dict[int, torch.Tensor]] = None
             if got is not None:
                 models_out = {}
                 for rank, b in enumerate(got):
@@ -133,18 +132,12 @@ class Delivery:
         """The consensus trained ``finetune_units`` more units on this rank's shard (fresh optimizer state), scored
         on its local test data; this rank's own weights and optimizer are left as they were."""
         r, cfg = self.replica, self.cfg
-        saved_flat, saved_opt = r.flat.clone(), copy.deepcopy(r.opt.state_dict())
-        r.flat.copy_(consensus)
-        r.opt.state.clear()
-        try:
+        with r.holding(consensus, fresh_optimizer=True):
             with self.timer("train"):
                 for u in range(1, cfg.consensus.finetune_units + 1):
-                    train.train_unit(r.model, r.opt, r.x, r.y, cfg.train, cfg.seed, r.rank, t + u)
+                    train.train_unit(r.model, r.opt, r.data.x, r.data.y, cfg.train, cfg.seed, r.rank, t + u)
             with self.timer("eval"):
                 return r.evaluate_local() if r.has_local_test else (float("nan"), float("nan"))
-        finally:
-            r.flat.copy_(saved_flat)
-            r.opt.load_state_dict(saved_opt)
 
     # ------------------------------------------------------------------ rank 0: the records
 

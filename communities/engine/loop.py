@@ -242,7 +242,7 @@ class Engine:
                "consensus_test_acc": acc, "consensus_test_loss": loss,
                "communities_per_round": self.rounds.counts, "first_round_ari": self.rounds.first_ari,
                "final_dispersion": finite_or_none(self.rounds.last_dispersion),
-               "consensus_reached_t": self.consensus.reached_t, "consensus_test_split": replica.test_split,
+               "consensus_reached_t": self.consensus.reached_t, "consensus_test_split": replica.data.test_split,
                "local_test": local_test, "consensus_mode": self.mode.summary(), "community_models": community_models,
                "membership": self.survival.summary()}
         self.log.models(files, community_models)

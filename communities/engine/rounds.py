@@ -65,7 +65,7 @@ class _FunctionSignature:
 
     def __init__(self, cfg, world: World, replica: Replica):
         sc = cfg.signature
-        ds = replica.dataset
+        ds = replica.data.dataset
         idx = similarity.probe_indices(len(ds.y_train), sc.probe_size, cfg.seed)
         x_probe = torch.as_tensor(ds.x_train[idx]).to(replica.device)
 
@@ -81,12 +81,8 @@ class _FunctionSignature:
     def row(self, replica: Replica) -> np.ndarray:
         if not replica.faults.hostile:
             return self.signer(replica.model)
-        saved = replica.flat.clone()  # a hostile rank shows the function of the weights it sends
-        replica.flat.copy_(replica.outgoing())
-        try:
+        with replica.holding(replica.outgoing()):  # a hostile rank shows the function of the weights it sends
             return self.signer(replica.model)
-        finally:
-            replica.flat.copy_(saved)
 
     def distances(self, S: np.ndarray) -> Optional[np.ndarray]:
         return self.signer.distances(S) if self.n > 1 else None
@@ -112,8 +108,8 @@ class SignatureRounds:
         self.signature = kind(cfg, world, replica)
         # BLAS distances only where every rank runs the same kernels; else pdist, the same bits on any CPU
         self.fast_distances = len(set(world.allgather_text(clustering.blas_fingerprint()))) == 1
-        self.groups = replica.groups
-        self.pending = None  # signature.overlap: (request, gathered, sent) of the Iallgather in flight
+        self.groups = replica.data.groups
+        self.pending: Optional[tuple] = None  # signature.overlap: (request, gathered, sent) of the Iallgather in flight
         self.last_rows: Optional[np.ndarray] = None  # the last gather (a lost rank's row stays its last one)
         self.index = 0  # rounds completed
         self.counts: List[int] = []  # communities per round

@@ -333,7 +333,7 @@ class RunDirectory:
 
 def describe_partition(replica) -> dict:
     """The ``partition.json`` record of a replica's dataset and shards."""
-    ds = replica.dataset
+    ds = replica.data.dataset
     kind = data.SHARDED if ds.sharded else replica.cfg.data.partition
-    return data.describe(replica.shards, ds.y_train, kind, len(ds.y_test), replica.label_counts,
-                         replica.local_test_sizes, replica.cfg.data.shift)
+    return data.describe(replica.data.shards, ds.y_train, kind, len(ds.y_test), replica.data.label_counts,
+                         replica.data.local_test_sizes, replica.cfg.data.shift)

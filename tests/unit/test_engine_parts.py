@@ -1,6 +1,7 @@
 """The engine's parts in-process, on a one-rank MPI world: each owns its state and round-trips it exactly."""
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -164,6 +165,33 @@ def test_replica_masked_mean_of_one_rank_is_its_weights_and_a_diverged_rank_does
     assert torch.equal(replica.masked_mean(), torch.zeros_like(replica.flat))  # nobody counts: zeros / world
 
 
+def test_replica_holding_gives_its_weights_and_optimizer_back_also_after_an_error(world):
+    _, _, replica = build(world)
+    replica.train_unit(1)  # momentum buffers in the optimizer's state
+    own, moments = replica.flat.clone(), [v.clone() for s in replica.opt.state.values() for v in s.values()]
+    other = torch.zeros_like(replica.flat)
+    with pytest.raises(RuntimeError, match="inside"):
+        with replica.holding(other, fresh_optimizer=True):
+            assert torch.equal(replica.flat, other) and not replica.opt.state
+            replica.train_unit(2)
+            raise RuntimeError("inside")
+    assert torch.equal(replica.flat, own)
+    assert all(torch.equal(a, b) for a, b in zip(moments, [v for s in replica.opt.state.values() for v in s.values()]))
+    assert replica.evaluate(other) != replica.evaluate() and torch.equal(replica.flat, own)
+
+
+def test_placement_adopt_gives_a_new_placement_with_the_lost_shards_appended(world):
+    _, _, replica = build(world)
+    before = replica.data
+    n = before.shard.indices.size
+    replica.adopt([0])  # (a world of one rank: its own shard again stands in for a lost rank's)
+    assert replica.data is not before and before.shard.indices.size == n and before.x.shape[0] == n
+    assert replica.data.shard.indices.size == 2 * n and replica.data.x.shape[0] == 2 * n
+    assert replica.x is replica.data.x and replica.data.shards is before.shards
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        replica.data.x = before.x  # type: ignore[misc]
+
+
 def test_local_sgd_average_on_one_rank_leaves_the_weights_and_logs_a_global_row(world):
     cfg = make_cfg(strategy="local_sgd", **{"merge.period": 2})
     cfg, timer, replica = build(world, cfg)
@@ -183,7 +211,7 @@ def test_allreduce_strategy_binds_one_flat_gradient_buffer(world):
     cfg = make_cfg(strategy="allreduce", **{"train.unit": "epoch"})
     cfg, timer, replica = build(world, cfg)
     mixer = Mixer(cfg, world, timer, replica, RunningDigest())
-    assert callable(mixer.grad_sync) and mixer.unit_steps == -(-replica.shard.indices.size // 16)
+    assert callable(mixer.grad_sync) and mixer.unit_steps == -(-replica.data.shard.indices.size // 16)
     row = replica.train_unit(1, mixer.grad_sync, mixer.unit_steps)
     assert np.isfinite(row.loss) and timer.total["exchange"] > 0
 
