@@ -76,7 +76,7 @@ class DataConfig(_Section):
     samples: Optional[int] = Field(
         None, ge=100, le=640_000, description="mnist1d: the samples its generator makes (num_samples: train + test, "
         "split 80/20; none: its default 5,000, 4,000 of them training examples). Cached under data.root when that "
-        "is set, so that one process generates them once (about 2 ms a sample) and every rank and later run reads "
+        "is set, so that one process generates them once (a CPU minute per 200,000) and every rank and later run reads "
         "them back")
     on_mismatch: Literal["refuse", "warn"] = Field(
         "refuse", description="when the ranks' data differ at start-up (a dataset function that is not "

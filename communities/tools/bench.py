@@ -639,21 +639,22 @@ def bench_partners(args) -> int:
             for u in range(1, t):  # the timers as they stand at t
                 clock.fire(u)
             initiators = clock.fire(t)
-            times: Dict[str, List[float]] = {"round": [], "unit": [], "all": [], "reference_round": []}
+            times: Dict[str, List[float]] = {k: [] for k in ("round", "unit", "all", "reference_round", "unit_cpu",
+                                                              "all_cpu")}
             for rep in range(args.reps + 1):  # the first is a warm-up
                 strat = strategies.make(cfg, n)
                 t0 = time.perf_counter()
                 strat.observe(com, mixer, t)
                 strat.law(t)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
                 strat.exchanges(t, initiators)
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.process_time()
                 strat.exchanges(t, np.arange(n))
-                t3 = time.perf_counter()
+                t3, c3 = time.perf_counter(), time.process_time()
                 _law_reference(strat, law, com, mixer.table, t)
                 t4 = time.perf_counter()
                 if rep:
-                    for key, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    for key, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, c2 - c1, c3 - c2)):
                         times[key].append(v)
             # peak memory, traced apart (tracemalloc slows every allocation down)
             strat = strategies.make(cfg, n)
@@ -671,20 +672,22 @@ def bench_partners(args) -> int:
             r = {"n": n, "law": law, "initiators": len(initiators), **{f"{k}_s": v for k, v in med.items()},
                  "peak_bytes": peak, "reference_peak_bytes": ref_peak}
             results.append(r)
-            rows.append([n, law, len(initiators), f"{med['round'] * 1e3:.2f}", f"{med['unit'] * 1e3:.2f}",
-                         f"{med['all'] * 1e3:.2f}", f"{peak / MB:.2f}",
+            rows.append([n, law, len(initiators), f"{med['round'] * 1e3:.2f}",
+                         f"{med['unit'] * 1e3:.1f} ({med['unit_cpu'] * 1e3:.1f})",
+                         f"{med['all'] * 1e3:.1f} ({med['all_cpu'] * 1e3:.1f})", f"{peak / MB:.2f}",
                          f"{med['reference_round'] * 1e3:.2f}", f"{ref_peak / MB:.2f}"])
             print(f"  measured N={n} law={law}", file=sys.stderr, flush=True)
     print(f"bench partners: communities of {args.groups} planted groups (maxclust), unit t={t}, merge.lam=2; "
           f"median of {args.reps} repetitions after a warm-up; {machine}")
     print()
-    print(_fmt_table(["N", "law", "initiators", "round ms", "unit ms", "all N draw ms", "peak MiB",
+    print(_fmt_table(["N", "law", "initiators", "round ms", "unit ms (cpu)", "all N ms (cpu)", "peak MiB",
                       "N x N law ms", "N x N peak MiB"], rows, align="ll" + "r" * 7))
     print()
     print("round = Strategy.observe + Strategy.law (hierarchical: the per-row cophenetic tree; least_recent: the "
           "gathered seen_at table, rows built when drawn); unit = Strategy.exchanges(t) for the ranks whose merge "
-          "timer fires at t; all N = the same with every rank an initiator (the worst unit); peak = tracemalloc's "
-          "peak over the round and both draws, past the gathered (N, N) int64 seen_at table the engine holds "
+          "timer fires at t; all N = the same with every rank an initiator (the worst unit); (cpu) = this process's "
+          "CPU time over the same span, the figure to read on a machine shared with other jobs; peak = tracemalloc's "
+          "peak over the round and the all-N draws, past the gathered (N, N) int64 seen_at table the engine holds "
           "anyway. N x N = the law as first written (condensed cophenet heights, an (N, N) float64 bias), for "
           "comparison. Target: all N draws <= 50 ms at N = 1,024.")
     _write_json(args.json, {"bench": "partners", "results": results})

@@ -195,4 +195,4 @@ def test_bench_partners_runs_small_and_prints(capsys, tmp_path):
     out = tmp_path / "p.json"
     assert bench.main_bench(["partners", "--n", "8", "32", "--reps", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "all N draw ms" in text and "least_recent" in text and out.exists()
+    assert "all N ms (cpu)" in text and "least_recent" in text and out.exists()
