@@ -73,6 +73,11 @@ class DataConfig(_Section):
     dataset: str = Field("digits", description="digits | mnist1d | synthetic | module:function (docs/plugins.md)")
     root: Optional[str] = Field(None, description="a directory of data on disk, passed to a module:function "
                                 "dataset as root= (e.g. torchvision's root); relative to the current directory")
+    samples: Optional[int] = Field(
+        None, ge=100, le=640_000, description="mnist1d: the samples its generator makes (num_samples: train + test, "
+        "split 80/20; none: its default 5,000, 4,000 of them training examples). Cached under data.root when that "
+        "is set, so that one process generates them once (a CPU minute per 200,000) and every rank and later run reads "
+        "them back")
     on_mismatch: Literal["refuse", "warn"] = Field(
         "refuse", description="when the ranks' data differ at start-up (a dataset function that is not "
         "deterministic): refuse to train, naming the ranks; warn: train anyway, the consensus scored on rank 0's "
@@ -98,6 +103,10 @@ class DataConfig(_Section):
                 f"data.dataset={self.dataset!r} is not one of digits, mnist1d, synthetic, "
                 "or a 'package.module:function' returning (x_train, y_train, x_test, y_test) (docs/plugins.md)"
             )
+        if self.samples is not None and self.dataset != "mnist1d":
+            hint = " (synthetic: data.synthetic.n_samples)" if self.dataset == "synthetic" else ""
+            raise ValueError(f"data.samples={self.samples} sets the mnist1d generator's sample count: it needs "
+                             f"data.dataset=mnist1d, not {self.dataset!r}{hint}")
         if self.shift != "none":
             if self.groups < 2:
                 raise ValueError(f"data.shift={self.shift!r} transforms planted groups of ranks: it needs "

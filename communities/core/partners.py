@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from scipy.cluster import hierarchy
 
 
 def flat_weights(labels: np.ndarray, i: int, p_intra: float, p_cross: float) -> np.ndarray:
@@ -41,11 +40,55 @@ def frozen_probabilities(labels: np.ndarray, i: int) -> np.ndarray:
     return w / total if total > 0 else w
 
 
-def cophenetic_heights(Z: np.ndarray) -> np.ndarray:
-    """Condensed cophenetic heights divided by the top merge height (so in [0, 1])."""
-    h = hierarchy.cophenet(Z)
-    top = float(Z[-1, 2]) if Z.size else 0.0
-    return h / top if top > 0 else np.zeros_like(h)
+class CopheneticHeights:
+    """The normalised cophenetic heights of a linkage tree, one rank's row at a time.
+
+    ``row(i)`` is row i of ``squareform(cophenet(Z)) / top`` (top: the last merge's
+    height; all zeros when it is not positive), bit for bit, in O(N) time and memory:
+    with the leaves in a dendrogram order, the merge that joins i and j is the
+    latest (largest index) of the merges between their positions, because a merge's
+    ancestors come later in Z. So no N x N (or condensed N(N-1)/2) array is built:
+    at N = 1,024 the condensed heights were 4 MB per round, the square 8 MB.
+    """
+
+    def __init__(self, Z: np.ndarray):
+        Z = np.asarray(Z, dtype=np.float64)
+        n = len(Z) + 1
+        top = float(Z[-1, 2]) if Z.size else 0.0
+        # the height of each merge, divided as cophenet's values were (a zero tree when top <= 0)
+        self.merge_heights = Z[:, 2] / top if top > 0 else np.zeros(len(Z))
+        start = [0] * (2 * n - 1)  # first position of each node's leaves in the order
+        gap = np.zeros(max(n - 1, 0), dtype=np.int64)  # gap[q]: the merge joining positions q and q + 1
+        rows = Z[:, :2].astype(np.int64).tolist()
+        for k in range(n - 2, -1, -1):
+            a, b = rows[k]
+            s = start[n + k]
+            left = 1 if a < n else int(Z[a - n, 3])
+            start[a], start[b] = s, s + left
+            gap[s + left - 1] = k
+        self.n = n
+        self.position = np.asarray(start[:n], dtype=np.int64)  # leaf -> its position in the order
+        self.gap = gap
+        self._back = np.empty(max(n - 1, 0), dtype=np.int64)
+
+    def row(self, i: int) -> np.ndarray:
+        """Heights of rank i with every rank (0 at i), a fresh float64 vector."""
+        n, p = self.n, int(self.position[i])
+        at = np.empty(n, dtype=np.int64)  # per position: the merge joining it with i's position
+        np.maximum.accumulate(self.gap[p:], out=at[p + 1:])
+        if p > 0:
+            back = self._back[:p]
+            np.maximum.accumulate(self.gap[p - 1::-1], out=back)
+            at[:p] = back[::-1]
+        at[p] = 0
+        h = self.merge_heights[at] if n > 1 else np.zeros(1)
+        h[p] = 0.0
+        return h[self.position]
+
+
+def cophenetic_heights(Z: np.ndarray) -> CopheneticHeights:
+    """Normalised cophenetic heights (so in [0, 1]) of a linkage, served per row."""
+    return CopheneticHeights(Z)
 
 
 _LEFT: dict = {}  # n -> condensed index of (j, 0) minus 1, so that (j, i) for j < i is _LEFT[n][j] + i
@@ -78,8 +121,8 @@ def condensed_row(condensed: np.ndarray, n: int, i: int) -> np.ndarray:
     return row
 
 
-def hierarchical_probabilities(heights: np.ndarray, n: int, i: int, temperature: float) -> np.ndarray:
-    h = condensed_row(heights, n, i)
+def hierarchical_probabilities(heights: CopheneticHeights, i: int, temperature: float) -> np.ndarray:
+    h = heights.row(i)
     logits = np.divide(h, -float(temperature), out=h)  # = -h / T, bit for bit
     # the largest logit of the other ranks (heights are finite and T > 0: no scan for non-finite values)
     top = max(logits[:i].max(initial=-np.inf), logits[i + 1:].max(initial=-np.inf))
@@ -109,17 +152,31 @@ def draw(probabilities: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
 
 
-def staleness_weights(seen_at: np.ndarray, t: int, power: float = 2.0) -> np.ndarray:
-    """(N, N) partner weights that favour shards a model saw least recently (``merge.partner_policy``).
+def staleness_row(seen_at_i: np.ndarray, i: int, t: int, power: float = 2.0) -> np.ndarray:
+    """Partner weights of the model on rank i that favour shards it saw least recently (``merge.partner_policy``).
 
-    ``seen_at[i, j]`` is the last unit at which the model now on rank i trained
+    ``seen_at_i[j]`` is the last unit at which the model now on rank i trained
     on rank j's shard (-1: never). The weight is ``(1 + t - seen_at) ** power``,
-    so a shard never seen weighs most; the diagonal is 0 (no self-merge).
+    so a shard never seen weighs most; it is 0 at i (no self-merge).
     """
-    seen = np.asarray(seen_at, dtype=np.float64)
-    W = (1.0 + float(t) - seen) ** float(power)
-    np.fill_diagonal(W, 0.0)
-    return W
+    seen = np.asarray(seen_at_i, dtype=np.float64)
+    w = (1.0 + float(t) - seen) ** float(power)
+    w[i] = 0.0
+    return w
+
+
+class Staleness:
+    """The staleness factors of a signature round, one initiator's row at a time (``bias[i]``).
+
+    Built from the gathered (N, N) ``seen_at`` table at unit ``t``; a row costs O(N)
+    when drawn, so no N x N float matrix of factors is held.
+    """
+
+    def __init__(self, seen_at: np.ndarray, t: int, power: float = 2.0):
+        self.seen_at, self.t, self.power = np.asarray(seen_at, dtype=np.int64), int(t), float(power)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return staleness_row(self.seen_at[i], i, self.t, self.power)
 
 
 @dataclass
@@ -129,7 +186,7 @@ class Law:
     kind: str  # flat | hierarchical | uniform | frozen (consensus.mode: the communities no longer merge)
     n: int
     labels: Optional[np.ndarray] = None
-    heights: Optional[np.ndarray] = None  # condensed, normalised cophenetic heights
+    heights: Optional[CopheneticHeights] = None  # normalised cophenetic heights, per row
     p_intra: float = 1.0
     p_cross: float = 1.0
     temperature: float = 1.0
@@ -141,5 +198,5 @@ class Law:
         if self.kind == "frozen" and self.labels is not None:
             return frozen_probabilities(self.labels, i)
         if self.kind == "hierarchical" and self.heights is not None:
-            return hierarchical_probabilities(self.heights, self.n, i, self.temperature)
+            return hierarchical_probabilities(self.heights, i, self.temperature)
         return uniform_probabilities(self.n, i)

@@ -144,7 +144,7 @@ class Gossip(Strategy):
         super().__init__(cfg, n)
         self.clock = protocol.MergeClock(n, cfg.seed, cfg.merge.lam)
         self._heights: Optional[np.ndarray] = None
-        self.bias: Optional[np.ndarray] = None  # (N, N) factors on the law (merge.partner_policy: least_recent)
+        self.bias: Optional[partners.Staleness] = None  # per-row factors on the law (partner_policy: least_recent)
 
     def prepare(self, mixer: Mixing) -> None:
         if self.cfg.merge.outer.enabled:
@@ -161,7 +161,7 @@ class Gossip(Strategy):
         super().observe(communities, mixer, t)
         self._heights = None
         if self.cfg.merge.partner_policy == "least_recent":
-            self.bias = partners.staleness_weights(mixer.world.allgather(mixer.seen_at), t)
+            self.bias = partners.Staleness(mixer.world.allgather(mixer.seen_at), t)
 
     def law(self, t: int) -> Optional[Law]:
         return Law("uniform", self.n)
@@ -199,13 +199,16 @@ class Gossip(Strategy):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "clock": torch.from_numpy(self.clock.state()),
-                "bias": None if self.bias is None else torch.from_numpy(self.bias.copy())}
+                "bias": None if self.bias is None else {"seen_at": torch.from_numpy(self.bias.seen_at.copy()),
+                                                        "t": self.bias.t, "power": self.bias.power}}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self._heights = None
         self.clock.load(state["clock"].numpy())
-        self.bias = None if state["bias"] is None else state["bias"].numpy().copy()
+        bias = state["bias"]  # (an older checkpoint's is the (N, N) matrix of factors: its rows serve as well)
+        self.bias = None if bias is None else bias.numpy().copy() if isinstance(bias, torch.Tensor) else \
+            partners.Staleness(bias["seen_at"].numpy().copy(), bias["t"], bias["power"])
 
 
 class Community(Gossip):

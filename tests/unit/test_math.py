@@ -161,8 +161,8 @@ def test_hierarchical_law_follows_tree_and_temperature():
     S, truth = planted(2, 3)
     com = clustering.find_communities(S, "average", "euclidean", "maxclust", k=2)
     h = partners.cophenetic_heights(com.Z)
-    cold = partners.hierarchical_probabilities(h, 6, 0, 0.02)
-    hot = partners.hierarchical_probabilities(h, 6, 0, 1e6)
+    cold = partners.hierarchical_probabilities(h, 0, 0.02)
+    hot = partners.hierarchical_probabilities(h, 0, 1e6)
     same = truth == truth[0]
     same[0] = False
     assert cold[same].sum() > 0.99
@@ -381,11 +381,11 @@ def test_hierarchical_probabilities_equal_the_general_form():
     h = partners.cophenetic_heights(clustering.find_communities(S, cut="maxclust", k=3).Z)
     for i in range(n):
         for T in (1e-3, 0.07, 1.0, 1e9, np.inf):
-            logits = -partners.condensed_row(h, n, i) / T
+            logits = -h.row(i) / T
             logits[i] = -np.inf
             logits -= logits[np.isfinite(logits)].max()
             w = np.exp(logits)
-            assert np.array_equal(partners.hierarchical_probabilities(h, n, i, T), w / w.sum()), (i, T)
+            assert np.array_equal(partners.hierarchical_probabilities(h, i, T), w / w.sum()), (i, T)
 
 
 # ----------------------------------------------------------------------------- outer optimizer

@@ -26,7 +26,7 @@ def test_distance_factor_policies():
 
 def test_staleness_weights_prefer_unseen_shards():
     seen = np.array([[5, 5, -1], [0, 5, 4], [5, 1, 5]])
-    W = partners.staleness_weights(seen, t=5)
+    W = np.array([partners.staleness_row(seen[i], i, t=5) for i in range(3)])
     assert np.all(np.diag(W) == 0)
     assert W[0, 2] > W[0, 1]  # rank 0's model never saw shard 2
     assert W[1, 0] > W[1, 2]  # saw shard 0 at t=0, shard 2 at t=4
