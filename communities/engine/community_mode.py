@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..config import Config
 from ..core import clustering, conflict, signature
 from ..runtime.comm import World
 from .replica import Replica
@@ -71,7 +72,9 @@ class MergeProbe:
         acc_a, loss_a = r.evaluate_on(x, y, after)
         acc_p, loss_p = r.evaluate_on(x, y, partner_w)
         kind = "intra" if self.labels[partner] == self.labels[self.rank] else "cross"
-        conflict.record(self.row, kind, n, loss_b * n, loss_a * n, loss_p * n, acc_b * n, acc_a * n, acc_p * n)
+        conflict.record(self.row, kind, examples=n, loss_before=loss_b * n, loss_after=loss_a * n,
+                        loss_partner=loss_p * n, correct_before=acc_b * n, correct_after=acc_a * n,
+                        correct_partner=acc_p * n)
 
     def take(self) -> np.ndarray:
         row, self.row = self.row, conflict.empty()
@@ -87,7 +90,7 @@ class MergeProbe:
 class CommunityMode:
     """The freeze of ``consensus.mode`` for one rank: when, which communities, and (auto) the evidence."""
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, strategy: Strategy):
+    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, strategy: Strategy):
         self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
         self.mode = cfg.consensus.mode
         self.candidate: Optional[np.ndarray] = None  # the communities weighed (auto) or frozen (communities)

@@ -168,8 +168,9 @@ class Replica:
                   + (f", {len(local)} local test examples" if len(local) else ""))
         self.tracker: Optional[ExampleTracker] = None
         if cfg.examples.track:
-            self.tracker = ExampleTracker(cfg.examples, np.asarray(self.shard.indices, dtype=np.int64), ds.x_train,
-                                          ds.y_train, self.world.size, self.rank, cfg.seed, device, ds.n_classes)
+            self.tracker = ExampleTracker(cfg.examples, np.asarray(self.shard.indices, dtype=np.int64),
+                                          x_pool=ds.x_train, y_pool=ds.y_train, world=self.world.size, rank=self.rank,
+                                          seed=cfg.seed, device=device, n_classes=ds.n_classes)
         if cfg.signature.kind in ("logits", "cka") and cfg.signature.probe_size > len(ds.y_train):
             raise ConfigError(f"signature.probe_size={cfg.signature.probe_size} exceeds the "
                               f"{len(ds.y_train)} training examples")
@@ -205,8 +206,8 @@ class Replica:
     def enable_outer(self, outer_cfg, anchor: bool = False) -> None:
         """An outer optimizer on merges (merge.outer) or on global averages (diloco, with an anchor)."""
         if self.outer is None:
-            self.outer = merge.OuterOptimizer(self.flat.numel(), outer_cfg.lr, outer_cfg.momentum,
-                                              outer_cfg.nesterov, self.device, self.flat.dtype)
+            self.outer = merge.OuterOptimizer(self.flat.numel(), lr=outer_cfg.lr, momentum=outer_cfg.momentum,
+                                              nesterov=outer_cfg.nesterov, device=self.device, dtype=self.flat.dtype)
         if anchor and self.anchor is None:
             self.anchor = self.flat.clone()
 

@@ -21,6 +21,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ..config import Config
 from ..core.clustering import adjusted_rand
 from ..core.partners import Law
 from ..manifest import entry
@@ -31,6 +32,7 @@ from ..results import (
     MetricRow,
     RunWriter,
     Summary,
+    TimeCategory,
     finite_or_none,
 )
 from ..runtime.comm import World
@@ -50,7 +52,8 @@ FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring"
 class RunLog:
     """One rank's log buffer; on rank 0 also the writer of the run directory."""
 
-    def __init__(self, cfg, world: World, timer: Timer, writer: Optional[RunWriter], collective: bool = True):
+    def __init__(self, cfg: Config, world: World, timer: Timer, *, writer: Optional[RunWriter],
+                 collective: bool = True):
         self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
         self.collective = collective  # rows may be gathered at every round (false: only at a stop and the end)
         self.rank = world.rank
@@ -119,7 +122,7 @@ class RunLog:
         """
         if not (self.collective or final):
             return
-        with self.timer("idle"):
+        with self.timer(TimeCategory.IDLE):
             metrics = self.world.gather_rows(self._block(self.metric_rows, MetricRow))
             merges = self.world.gather_rows(self._block(self.merge_rows, MergeRow))
         self.metric_rows, self.merge_rows = [], []
@@ -144,7 +147,7 @@ class RunLog:
     def _examples(self, index: int, t: int, tracker: ExampleTracker) -> None:
         """examples.jsonl: one line per rank per signature round (counts, passes, confidence quantiles)."""
         row = np.concatenate([[t, self.world.bytes_data], tracker.stats()]).reshape(1, -1)
-        with self.timer("idle"):
+        with self.timer(TimeCategory.IDLE):
             rows = self.world.gather_rows(row)
         if self.writer is None:
             return

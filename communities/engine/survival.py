@@ -73,7 +73,7 @@ class Survival(NoSurvival):
 
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
-    def __init__(self, world: World, parts: Dict[str, object], replica, lost_shard: str, rewind, log_lost):
+    def __init__(self, world: World, parts: Dict[str, object], *, replica, lost_shard: str, rewind, log_lost):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
         self._rewind, self._log_lost = rewind, log_lost  # rank 0: drop rows after t; write the LOST rows
         self.copies: List[Tuple[int, bytes]] = []

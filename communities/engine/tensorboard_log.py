@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..config import Config
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 TB_DIR = "tensorboard"  # under the run directory
 
 
-def check_available(cfg) -> None:
+def check_available(cfg: Config) -> None:
     """A ConfigError before anything is written when ``logging.tensorboard`` is on but the package is not there."""
     if cfg.logging.tensorboard and find_spec("tensorboard") is None:
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
@@ -49,7 +50,7 @@ def _finite(value) -> bool:
 class TensorBoardLog:
     """Rank 0's event file in ``RUN_DIR/tensorboard``; fed by the run log."""
 
-    def __init__(self, cfg, run_dir: Path, start_t: int = 0):
+    def __init__(self, cfg: Config, run_dir: Path, start_t: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
         self.cfg = cfg

@@ -25,7 +25,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from ..errors import Disagreement
+from ..errors import EXIT_WATCHDOG, Disagreement
 
 
 class Tag(IntEnum):
@@ -243,7 +243,7 @@ class Watchdog:
                 sys.stderr.write(f"communities: watchdog: rank {self.rank} waited more than {self.timeout:g}s{where} "
                                  f"in {what}{who}; aborting the job (comm.timeout)\n")
                 sys.stderr.flush()
-                self._abort(3)
+                self._abort(EXIT_WATCHDOG)
                 return
 
 
