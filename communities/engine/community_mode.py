@@ -22,13 +22,14 @@ dispersion inside one community, in place of the world's.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from ..config import Config
 from ..core import clustering, conflict, signature
+from ..results import TimeCategory
 from ..runtime.comm import World
 from .replica import Replica
 from .rounds import RoundResult
@@ -71,6 +72,7 @@ class MergeProbe:
         acc_b, loss_b = r.evaluate_on(x, y, before)
         acc_a, loss_a = r.evaluate_on(x, y, after)
         acc_p, loss_p = r.evaluate_on(x, y, partner_w)
+        assert self.labels is not None  # (merges are scored only while a candidate is known: ``active``)
         kind = "intra" if self.labels[partner] == self.labels[self.rank] else "cross"
         conflict.record(self.row, kind, examples=n, loss_before=loss_b * n, loss_after=loss_a * n,
                         loss_partner=loss_p * n, correct_before=acc_b * n, correct_after=acc_a * n,
@@ -132,7 +134,8 @@ class CommunityMode:
     def _weigh(self, rnd: RoundResult) -> None:
         """auto: every rank's evidence since the last round, allgathered; the same verdict everywhere."""
         cc = self.cfg.consensus
-        with self.timer("idle"):
+        assert self.probe is not None  # (auto)
+        with self.timer(TimeCategory.IDLE):
             rows = self.world.allgather(self.probe.take())
         self.totals += rows
         verdict = conflict.decide(self.totals, cc.auto_harm, cc.auto_min_merges)
@@ -156,7 +159,7 @@ class CommunityMode:
         """summary.json's ``consensus_mode``: the decision and the evidence behind it."""
         if self.mode == "global":
             return None
-        out = {"mode": self.mode, "decision": "communities" if self.frozen is not None else "consensus",
+        out: Dict[str, Any] = {"mode": self.mode, "decision": "communities" if self.frozen is not None else "consensus",
                "frozen_round": self.frozen_round, "frozen_t": self.frozen_t,
                "communities": None if self.frozen is None else int(self.frozen.max()) + 1}
         if self.mode == "auto":

@@ -38,6 +38,8 @@ class ExampleTracker:
         self.feature_numel = int(np.prod(self.feature_shape, dtype=np.int64))
         self.table = example_table.ExampleTable(ids, y_pool[ids], self.world, visited=cfg.visited)
         self.bytes_per_example = example_table.example_bytes(self.feature_numel, self.world, cfg.visited)
+        self.x: torch.Tensor  # this rank's examples, in table order (``_load_tensors``)
+        self.y: torch.Tensor
         self._load_tensors()
         self.passed_out = self.passed_in = 0
         self.last_step: Dict[str, int] = {}

@@ -116,7 +116,7 @@ class SlowDown:
 
     def __init__(self, factor: float, jitter: float, rng):
         self.factor, self.jitter, self.rng = factor, jitter, rng
-        self.restart()
+        self.mark = time.perf_counter()  # when the current batch's compute started
 
     def restart(self) -> None:
         """The next batch's compute starts now (after whatever ran between batches)."""

@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import RankLost, World
 from . import protocols, survival, tensorboard_log
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, Stateful
 from .community_mode import CommunityMode
 from .consensus import Decision
 from .delivery import Delivery
@@ -58,7 +58,12 @@ class Engine:
         resume = Resume(resume)  # a Resume or its value; anything else (a bool) is a ValueError naming it
         if resume is not Resume.FRESH:
             survival.resume_membership(world, Path(run_dir))  # a job of survivors: their logical ranks
-        collective_check(world, lambda: (cfg.check_world(world.size), tensorboard_log.check_available(cfg)))
+
+        def check() -> None:
+            cfg.check_world(world.size)
+            tensorboard_log.check_available(cfg)
+
+        collective_check(world, check)
         if cfg.comm.fault_tolerance == "shrink":
             on_every_rank(world, world.enable_shrink)  # no ULFM here: exit 2 naming the launch line
         world.set_timeout(cfg.comm.timeout)
@@ -80,9 +85,9 @@ class Engine:
                                     device, self.replica.flat.numel())
         self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log)
         self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0)
-        parts = {"replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
-                 "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement,
-                 "faults": self.faults}
+        parts: Dict[str, Stateful] = {
+            "replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
+            "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement, "faults": self.faults}
         if cfg.consensus.mode != "global":
             parts["mode"] = self.mode
         self.survival = survival.NoSurvival()
@@ -101,7 +106,7 @@ class Engine:
         self.run_dir.resume_data = None
         self.loaded_t = self.t if resumed is not None else -1
         if resumed is not None:
-            self.survival.restore(read_info(self.run_dir.resumed_from))
+            self.survival.restore(read_info(resumed))
         if world.rank == 0 and cfg.logging.tensorboard:
             self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
 

@@ -176,8 +176,12 @@ class RunDirectory:
                 target = self.checkpoints / DAMAGED / f"{name}.{k}"
                 k += 1
             src = self.checkpoints / name
-            writer.guard(target, lambda src=src, target=target: (target.parent.mkdir(exist_ok=True),
-                                                                 os.replace(src, target)), "move a checkpoint to")
+
+            def move(src: Path = src, target: Path = target) -> None:
+                target.parent.mkdir(exist_ok=True)
+                os.replace(src, target)
+
+            writer.guard(target, move, "move a checkpoint to")
             log.info(f"communities: checkpoint {name} is damaged ({why}); moved to {target}")
         pointer = self.checkpoints / LATEST
         writer.guard(pointer, lambda: atomic_write_bytes(pointer, (chosen + "\n").encode()))
@@ -199,6 +203,7 @@ class RunDirectory:
             "status": "running",
             "resumed": previous.get("resumed", []) + ([{"from": resumed_from, "at": now()}] if resumed_from else []),
         }
+        assert self.writer is not None  # rank 0
         self.writer.write_json("meta.json", self.meta)
 
     def _refuse_complete(self) -> None:

@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from ..errors import ConfigError, collective
 from ..manifest import complete_dirs, read_info
 from ..results import Event
 from ..runtime.comm import RankLost, World
+from .checkpoint import Stateful
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Survival(NoSurvival):
 
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
-    def __init__(self, world: World, parts: Dict[str, object], *, replica, lost_shard: str, rewind, log_lost):
+    def __init__(self, world: World, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
         self._rewind, self._log_lost = rewind, log_lost  # rank 0: drop rows after t; write the LOST rows
         self.copies: List[Tuple[int, bytes]] = []
@@ -115,7 +116,7 @@ class Survival(NoSurvival):
         lost = sorted(lost)
         for rank in lost:
             self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
-        record = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
+        record: Dict[str, Any] = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
                   "detected_wall": detected, "recovered_wall": time.time()}
         self.recoveries.append(record)
         if world.rank == 0:

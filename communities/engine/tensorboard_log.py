@@ -134,7 +134,7 @@ class TensorBoardLog:
             ax = fig.add_axes((0.14, 0.1, 0.83, 0.8))
             dendrogram(Z, ax=ax, color_threshold=cut if _finite(cut) else None, no_labels=n > 64,
                        leaf_font_size=7)
-            if _finite(cut):
+            if cut is not None and _finite(cut):
                 ax.axhline(cut, color="0.5", linestyle="--", linewidth=0.8)
             ax.set_title(f"round {index} (t={t})", fontsize=9)
             ax.set_ylabel("distance", fontsize=8)

@@ -8,7 +8,7 @@ start-up is not fatal: it stops the run at its first round instead.
 from __future__ import annotations
 
 import signal
-from typing import Dict
+from typing import Any, Dict
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _requested = False
@@ -19,9 +19,9 @@ def _note(signum, frame) -> None:
     _requested = True
 
 
-def install() -> Dict[int, object]:
+def install() -> Dict[int, Any]:
     """Route SIGUSR1/SIGTERM to the flag; returns the previous handlers (empty off the main thread)."""
-    previous = {}
+    previous: Dict[int, Any] = {}
     for sig in SIGNALS:
         try:
             previous[sig] = signal.signal(sig, _note)
@@ -30,7 +30,7 @@ def install() -> Dict[int, object]:
     return previous
 
 
-def restore(previous: Dict[int, object]) -> None:
+def restore(previous: Dict[int, Any]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
 
