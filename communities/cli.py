@@ -149,6 +149,7 @@ def cmd_run(args) -> int:
 
     from .config import from_json, load
     from .engine import loop
+    from .engine.run_dir import Resume
     from .errors import ConfigError, Preempted, RunComplete, collective
     from .runtime.comm import World
     from .runtime.launcher import launcher_mismatch
@@ -169,7 +170,7 @@ def cmd_run(args) -> int:
         raise collective(ConfigError(err))
     cfg = from_json(world.bcast_text(text))
     hook_search_path(args.config)  # on every rank: each imports the hooks itself
-    resume = True if args.resume else ("auto" if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 else False)
+    resume = Resume.of(args.resume, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
     code = 0
     try:
         loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not (args.no_progress or args.quiet),

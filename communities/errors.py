@@ -10,11 +10,20 @@ then exit cleanly without ``MPI_Abort`` (nobody is left waiting).
 """
 from __future__ import annotations
 
+from enum import Enum
+
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a bug or a crash: the job was aborted
 EXIT_USER = 2  # a user error: nothing trained, or a full disk stopped the run (inspect: a missing or damaged file)
 EXIT_WATCHDOG = 3  # the watchdog aborted the job: a blocking MPI wait outlasted comm.timeout
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal or STOP file, checkpoint written; resume with --resume
+
+
+class StopReason(str, Enum):
+    """Why every rank stops before its budget of units (``Mixer.stop_reason``, read by the loop)."""
+
+    SIGNAL = "signal"  # SIGUSR1/SIGTERM, a STOP file or a failed write: checkpoint, then EXIT_PREEMPTED
+    BUDGET = "budget"  # the wall-clock budget (``protocol: async``) is spent: finish as at the end
 
 
 class UserError(Exception):

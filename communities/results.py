@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
-from enum import IntEnum
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -149,10 +149,6 @@ def atomic_write_bytes(path: Path, data: bytes, full: bool = False) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, _json_bytes(obj))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 def _json_default(o):
@@ -434,7 +430,18 @@ class MergeRow(_Record):
 
 # Where a rank's wall time goes; the categories partition it ("other": checkpoints, logs, the loop itself).
 # "idle" is every wait for a slower peer, whatever call it happens in (engine/timer.py settles collectives).
-TIME_CATEGORIES = ("train", "exchange", "signature", "idle", "eval", "other")
+class TimeCategory(str, Enum):
+    """A timer section (engine/timer.py); str-valued, so rows and JSON keep the plain names."""
+
+    TRAIN = "train"
+    EXCHANGE = "exchange"
+    SIGNATURE = "signature"
+    IDLE = "idle"
+    EVAL = "eval"
+    OTHER = "other"
+
+
+TIME_CATEGORIES = tuple(c.value for c in TimeCategory)  # the plain names, in the order of summary.json
 
 
 @dataclass

@@ -55,7 +55,7 @@ def empty() -> np.ndarray:
     return np.zeros(WIDTH, dtype=np.float64)
 
 
-def record(row: np.ndarray, kind: str, examples: int, loss_before: float, loss_after: float, loss_partner: float,
+def record(row: np.ndarray, kind: str, *, examples: int, loss_before: float, loss_after: float, loss_partner: float,
            correct_before: float, correct_after: float, correct_partner: float) -> None:
     """Add one merge side to ``row`` (in place); losses and corrects are sums over the ``examples`` scored."""
     base = KINDS.index(kind) * len(MEASURES)

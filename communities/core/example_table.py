@@ -315,7 +315,7 @@ def _checksum(floats_payload: np.ndarray, ints_payload: np.ndarray) -> int:
 class ExampleTable:
     """The examples currently on one rank, one row each (see the module docstring)."""
 
-    def __init__(self, ids, labels, world: int, visited: str = "auto", capacity: int = RECENT_CAPACITY):
+    def __init__(self, ids, labels, world: int, *, visited: str = "auto", capacity: int = RECENT_CAPACITY):
         ids = np.array(_numpy(ids), dtype=np.int64).reshape(-1)
         labels = np.array(_numpy(labels), dtype=np.int64).reshape(-1)
         if labels.shape != ids.shape:

@@ -71,7 +71,7 @@ class OuterOptimizer:
     ``w <- w_before - lr m``. lr = 1, mu = 0 recovers the plain merge.
     """
 
-    def __init__(self, n: int, lr: float, momentum: float, nesterov: bool, device="cpu", dtype=torch.float32):
+    def __init__(self, n: int, *, lr: float, momentum: float, nesterov: bool, device="cpu", dtype=torch.float32):
         self.lr, self.mu, self.nesterov = float(lr), float(momentum), bool(nesterov)
         self.m = torch.zeros(n, device=device, dtype=dtype)
 

@@ -48,7 +48,7 @@ def layer_name(model: nn.Module, name: Optional[str]) -> str:
 class ProbeSigner:
     """The row a rank allgathers for a functional signature kind."""
 
-    def __init__(self, kind: str, model: nn.Module, x_probe: torch.Tensor, dim: int, seed: int,
+    def __init__(self, kind: str, model: nn.Module, x_probe: torch.Tensor, *, dim: int, seed: int,
                  layer: Optional[str] = None, debias: bool = True):
         if kind not in KINDS:
             raise ValueError(f"unknown functional signature kind {kind!r}; expected one of {KINDS}")

@@ -47,7 +47,7 @@ def merge_interval(seed: int, t: int, i: int, lam: float) -> int:
 class MergeClock:
     """The merge timers of all N ranks, held identically by every rank."""
 
-    def __init__(self, n: int, seed: int, lam: float, start: int = 0):
+    def __init__(self, n: int, seed: int, lam: float, *, start: int = 0):
         self.n, self.seed, self.lam = int(n), int(seed), float(lam)
         self.next_fire = np.array([start + merge_interval(seed, start, i, lam) for i in range(n)], dtype=np.int64)
 

@@ -44,7 +44,7 @@ def _signs(n: int, g: torch.Generator) -> torch.Tensor:
 class CountSketch:
     """Seeded count-sketch of a flat vector of ``n`` entries to ``dim`` buckets."""
 
-    def __init__(self, n: int, dim: int, seed: int, device="cpu", dtype=torch.float32, columns: int = COLUMNS):
+    def __init__(self, n: int, dim: int, seed: int, *, device="cpu", dtype=torch.float32, columns: int = COLUMNS):
         if dim < 2:
             raise ValueError(f"signature dim must be >= 2, got {dim}")
         self.n, self.dim = int(n), int(dim)
@@ -80,7 +80,7 @@ class CountSketch:
 class GaussianSketch:
     """``x @ G / sqrt(d)`` with G (n x d) regenerated in chunks from the seed."""
 
-    def __init__(self, n: int, dim: int, seed: int, device="cpu", dtype=torch.float32, chunk: int = 4096):
+    def __init__(self, n: int, dim: int, seed: int, *, device="cpu", dtype=torch.float32, chunk: int = 4096):
         if dim < 2:
             raise ValueError(f"signature dim must be >= 2, got {dim}")
         self.n, self.dim, self.seed, self.chunk = int(n), int(dim), int(seed), int(chunk)
@@ -101,9 +101,9 @@ class GaussianSketch:
 
 def make_sketch(kind: str, n: int, dim: int, seed: int, device="cpu", dtype=torch.float32):
     if kind == "countsketch":
-        return CountSketch(n, dim, seed, device, dtype)
+        return CountSketch(n, dim, seed, device=device, dtype=dtype)
     if kind == "gaussian":
-        return GaussianSketch(n, dim, seed, device, dtype)
+        return GaussianSketch(n, dim, seed, device=device, dtype=dtype)
     raise ValueError(f"unknown signature kind {kind!r}; expected countsketch or gaussian")
 
 

@@ -28,6 +28,7 @@ from ..core import partners, protocol
 from ..core.gossip_table import GossipTable
 from ..core.protocol import RunningDigest
 from ..core.rendezvous import SIGNATURES_ONLY, Exchange, Kind, Message, Outcome, Rendezvous
+from ..errors import StopReason
 from ..results import Event, MergeRow
 from ..runtime.comm import Tag, World
 from .mixer import Mixer
@@ -73,7 +74,7 @@ class AsyncMixer(Mixer):
             self.next_fire = t + protocol.merge_interval(self.cfg.seed, t, self.rank, self.cfg.merge.lam)
             self._initiate(t)
 
-    def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[str]:
+    def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[StopReason]:
         """A stop asked here (broadcast to every rank, once) or heard from another rank; or the wall budget."""
         if signal and not self._stop_sent:
             for r in range(self.n):
@@ -81,9 +82,9 @@ class AsyncMixer(Mixer):
                     self._post(Message(Kind.STOP, r, 0, t))
             self._stop_sent = True
         if signal or self.stop_received:
-            return "signal"
+            return StopReason.SIGNAL
         budget = self.cfg.train.wall_budget
-        return "budget" if budget is not None and self.timer.elapsed() >= budget else None
+        return StopReason.BUDGET if budget is not None and self.timer.elapsed() >= budget else None
 
     def drain(self) -> None:
         """Serve until every rank is done (a polled Ibarrier), then read what is still addressed to this rank."""

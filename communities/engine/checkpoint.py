@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
+from ..config import Config
 from ..errors import DiskError, ResultsError, collective
 from ..manifest import COMPLETE, LATEST, complete_dirs, entry, mismatch, rank_file, read_info, step_dir
 from ..results import atomic_write_bytes, atomic_write_json, disk_error
@@ -133,8 +134,9 @@ class Checkpointer:
     checkpoint is a collective step, so it is where every rank learns of it.
     """
 
-    def __init__(self, cfg, world: World, root: Path, parts: Dict[str, Stateful], before_save: Callable[[], None],
-                 info: Callable[[], dict], failure: Callable[[], Optional[DiskError]] = lambda: None):
+    def __init__(self, cfg: Config, world: World, root: Path, *, parts: Dict[str, Stateful],
+                 before_save: Callable[[], None], info: Callable[[], dict],
+                 failure: Callable[[], Optional[DiskError]] = lambda: None):
         self.cfg, self.world, self.root, self.parts = cfg, world, Path(root), parts
         self._before_save, self._info, self._failure = before_save, info, failure
         self.full = False  # fault injection (faults.disk_full_at): rank files fail as on a full disk
@@ -143,7 +145,7 @@ class Checkpointer:
         every = self.cfg.checkpoint.every
         return bool(every) and t % every == 0 and t < self.cfg.train.budget
 
-    def save(self, t: int, final: bool = False) -> bool:
+    def save(self, t: int, final: bool = False) -> None:
         """Every rank writes its file; rank 0 commits once all succeeded. DiskError on every rank if any failed."""
         self._before_save()
         world, rank = self.world, self.world.rank
@@ -182,7 +184,6 @@ class Checkpointer:
         problem = world.bcast_text(problem)
         if problem:
             raise collective(DiskError(problem))
-        return True
 
     def load(self, directory: Path, data: Optional[bytes] = None) -> int:
         """Load this rank's file into every part (a collective); returns the unit it was written after."""

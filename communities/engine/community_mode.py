@@ -29,6 +29,7 @@ import torch
 
 from ..config import Config
 from ..core import clustering, conflict, signature
+from ..results import TimeCategory
 from ..runtime.comm import World
 from .replica import Replica
 from .rounds import RoundResult
@@ -72,10 +73,11 @@ class MergeProbe:
         acc_b, loss_b = r.evaluate_on(x, y, before)
         acc_a, loss_a = r.evaluate_on(x, y, after)
         acc_p, loss_p = r.evaluate_on(x, y, partner_w)
-        labels = self.labels
-        assert labels is not None  # scored only while active()
-        kind = "intra" if labels[partner] == labels[self.rank] else "cross"
-        conflict.record(self.row, kind, n, loss_b * n, loss_a * n, loss_p * n, acc_b * n, acc_a * n, acc_p * n)
+        assert self.labels is not None  # (merges are scored only while a candidate is known: ``active``)
+        kind = "intra" if self.labels[partner] == self.labels[self.rank] else "cross"
+        conflict.record(self.row, kind, examples=n, loss_before=loss_b * n, loss_after=loss_a * n,
+                        loss_partner=loss_p * n, correct_before=acc_b * n, correct_after=acc_a * n,
+                        correct_partner=acc_p * n)
 
     def take(self) -> np.ndarray:
         row, self.row = self.row, conflict.empty()
@@ -91,7 +93,7 @@ class MergeProbe:
 class CommunityMode:
     """The freeze of ``consensus.mode`` for one rank: when, which communities, and (auto) the evidence."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, replica: Replica, strategy: Strategy):
+    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, strategy: Strategy):
         self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
         self.mode = cfg.consensus.mode
         self.candidate: Optional[np.ndarray] = None  # the communities weighed (auto) or frozen (communities)
@@ -133,10 +135,10 @@ class CommunityMode:
 
     def _weigh(self, rnd: RoundResult) -> None:
         """auto: every rank's evidence since the last round, allgathered; the same verdict everywhere."""
-        cc, probe = self.cfg.consensus, self.probe
-        assert probe is not None  # auto
-        with self.timer("idle"):
-            rows = self.world.allgather(probe.take())
+        cc = self.cfg.consensus
+        assert self.probe is not None  # (auto)
+        with self.timer(TimeCategory.IDLE):
+            rows = self.world.allgather(self.probe.take())
         self.totals += rows
         verdict = conflict.decide(self.totals, cc.auto_harm, cc.auto_min_merges)
         self.verdict = {"round": rnd.index, "t": rnd.t, **verdict.to_dict()}

@@ -15,12 +15,13 @@ oversampling of hard examples and shards grow without bound.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config import ExamplesConfig
 from ..core import example_table, protocol
 from ..runtime.comm import Tag
 
@@ -28,8 +29,8 @@ from ..runtime.comm import Tag
 class ExampleTracker:
     """One rank's examples: ``table`` rows <-> ``x``/``y`` rows, plus the policies of ``cfg`` (ExamplesConfig)."""
 
-    def __init__(self, cfg, ids: np.ndarray, x_pool: np.ndarray, y_pool: np.ndarray, world: int, rank: int,
-                 seed: int, device, n_classes: int):
+    def __init__(self, cfg: ExamplesConfig, ids: np.ndarray, *, x_pool: np.ndarray, y_pool: np.ndarray, world: int,
+                 rank: int, seed: int, device: Union[torch.device, str], n_classes: int):
         self.cfg, self.world, self.rank, self.seed = cfg, int(world), int(rank), int(seed)
         self.device, self.n_classes = device, int(n_classes)
         self.x_pool, self.y_pool = x_pool, y_pool  # the shared training pool: rebuilds a shard from its ids
@@ -37,6 +38,8 @@ class ExampleTracker:
         self.feature_numel = int(np.prod(self.feature_shape, dtype=np.int64))
         self.table = example_table.ExampleTable(ids, y_pool[ids], self.world, visited=cfg.visited)
         self.bytes_per_example = example_table.example_bytes(self.feature_numel, self.world, cfg.visited)
+        self.x: torch.Tensor  # this rank's examples, in table order (``_load_tensors``)
+        self.y: torch.Tensor
         self._load_tensors()
         self.passed_out = self.passed_in = 0
         self.last_step: Dict[str, int] = {}

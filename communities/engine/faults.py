@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ..config import FaultsConfig
 from ..core import protocol, robust
 
 
@@ -56,7 +57,7 @@ class NoFaults:
 class InjectedFaults(NoFaults):
     """The faults of one rank, from a FaultsConfig; every random draw is keyed by (seed, t, rank)."""
 
-    def __init__(self, cfg, seed: int, rank: int):
+    def __init__(self, cfg: FaultsConfig, seed: int, rank: int):
         self.cfg, self.seed, self.rank = cfg, int(seed), int(rank)
         self.hostile = cfg.hostile_rank == rank
         self._hostile_rng = torch.Generator().manual_seed(int(seed) * 31 + 7)
@@ -115,7 +116,7 @@ class SlowDown:
 
     def __init__(self, factor: float, jitter: float, rng):
         self.factor, self.jitter, self.rng = factor, jitter, rng
-        self.restart()
+        self.mark = time.perf_counter()  # when the current batch's compute started
 
     def restart(self) -> None:
         """The next batch's compute starts now (after whatever ran between batches)."""
@@ -129,7 +130,7 @@ class SlowDown:
         self.restart()
 
 
-def make_faults(cfg, seed: int, rank: int) -> NoFaults:
+def make_faults(cfg: FaultsConfig, seed: int, rank: int) -> NoFaults:
     """``InjectedFaults`` when ``cfg`` (a FaultsConfig) asks for any fault, else ``NoFaults``."""
     asked = (cfg.slow_max > 0 or cfg.stall_rank is not None or cfg.nan_rank is not None
              or cfg.hostile_rank is not None or bool(cfg.speed) or cfg.jitter > 0 or bool(cfg.kill))

@@ -14,8 +14,10 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..config import Config
 from ..core.gossip_table import GossipTable
 from ..core.protocol import RunningDigest
+from ..results import TimeCategory
 from ..runtime.comm import World
 from .replica import Replica
 from .rounds import RoundResult, SignatureRounds
@@ -27,14 +29,14 @@ class GossipRounds(SignatureRounds):
 
     agree = False  # views may differ between ranks: nothing to prove
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest):
-        super().__init__(cfg, world, timer, replica, agreement)
+    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest):
+        super().__init__(cfg, world, timer, replica=replica, agreement=agreement)
         width = int(np.asarray(self.signature.row(replica)).size)
         self.table = GossipTable(world.size, width, world.rank)
         self.views: List[list] = []  # [round, t, wall, labels...] of every view this rank clustered
 
     def _gather(self, t: int) -> Optional[np.ndarray]:
-        with self.timer("signature"):
+        with self.timer(TimeCategory.SIGNATURE):
             self.table.set_own(self.signature.row(self.replica), t)
         if not self.table.known.all():
             return None  # the law needs every rank's signature; exchanges are spreading them

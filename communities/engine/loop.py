@@ -21,26 +21,27 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
+from ..config import Config
 from ..core.protocol import RunningDigest
-from ..errors import ConfigError, DiskError, Preempted, collective
+from ..errors import ConfigError, DiskError, Preempted, StopReason, collective
 from ..manifest import read_info
-from ..results import Summary, finite_or_none
+from ..results import Summary, TimeCategory, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import RankLost, World
 from . import protocols, survival, tensorboard_log
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, Stateful
 from .community_mode import CommunityMode
 from .consensus import Decision
 from .delivery import Delivery
 from .faults import make_faults
 from .progress import Progress
 from .replica import Replica
-from .run_dir import RunDirectory, describe_partition, now
+from .run_dir import Resume, RunDirectory, describe_partition, now
 from .runlog import RunLog, print_summary
 from .snapshots import RoundSnapshots
 from .timer import Timer
@@ -51,12 +52,18 @@ log = logging.getLogger(__name__)
 class Engine:
     """One rank's engine. Build with ``Engine(cfg, world, run_dir, ...)`` (a collective), then ``run()``."""
 
-    def __init__(self, cfg, world: World, run_dir: Path, overwrite: bool = False,
-                 argv: Optional[List[str]] = None, progress: bool = True, resume=False):
+    def __init__(self, cfg: Config, world: World, run_dir: Path, *, overwrite: bool = False,
+                 argv: Optional[List[str]] = None, progress: bool = True, resume: Resume = Resume.FRESH):
         self.cfg, self.world = cfg, world
-        if resume:
+        resume = Resume(resume)  # a Resume or its value; anything else (a bool) is a ValueError naming it
+        if resume is not Resume.FRESH:
             survival.resume_membership(world, Path(run_dir))  # a job of survivors: their logical ranks
-        collective_check(world, lambda: (cfg.check_world(world.size), tensorboard_log.check_available(cfg)))
+
+        def check() -> None:
+            cfg.check_world(world.size)
+            tensorboard_log.check_available(cfg)
+
+        collective_check(world, check)
         if cfg.comm.fault_tolerance == "shrink":
             on_every_rank(world, world.enable_shrink)  # no ULFM here: exit 2 naming the launch line
         world.set_timeout(cfg.comm.timeout)
@@ -70,25 +77,25 @@ class Engine:
         self.replica = Replica.build(cfg, world, device, self.timer, self.faults)
         self.rounds, self.mixer, self.consensus, collective_log = protocols.build(
             cfg, world, self.timer, self.replica, self.agreement)
-        self.mode = CommunityMode(cfg, world, self.timer, self.replica, self.mixer.strategy)
+        self.mode = CommunityMode(cfg, world, self.timer, replica=self.replica, strategy=self.mixer.strategy)
         self.mixer.probe = self.mode.probe
         self.snapshots = RoundSnapshots(world, Path(run_dir)) if cfg.output.round_snapshots else None
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
                                     device, self.replica.flat.numel())
-        self.log = RunLog(cfg, world, self.timer, self.run_dir.writer, collective=collective_log)
+        self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log)
         self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0)
-        parts = {"replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
-                 "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement,
-                 "faults": self.faults}
+        parts: Dict[str, Stateful] = {
+            "replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
+            "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement, "faults": self.faults}
         if cfg.consensus.mode != "global":
             parts["mode"] = self.mode
         self.survival = survival.NoSurvival()
         if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
             self.survival = survival.Survival(
-                world, {k: v for k, v in parts.items() if k not in ("timer", "traffic")}, self.replica,
-                cfg.comm.lost_shard, rewind=self.run_dir.rewind, log_lost=self._log_lost)
-        self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts,
+                world, {k: v for k, v in parts.items() if k not in ("timer", "traffic")}, replica=self.replica,
+                lost_shard=cfg.comm.lost_shard, rewind=self.run_dir.rewind, log_lost=self._log_lost)
+        self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts=parts,
                                         before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info,
                                         failure=lambda: self.run_dir.failure)
         try:
@@ -99,7 +106,7 @@ class Engine:
         self.run_dir.resume_data = None
         self.loaded_t = self.t if resumed is not None else -1
         if resumed is not None:
-            self.survival.restore(read_info(self.run_dir.resumed_from))
+            self.survival.restore(read_info(resumed))
         if world.rank == 0 and cfg.logging.tensorboard:
             self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
 
@@ -110,7 +117,8 @@ class Engine:
         self.timer.start()
         previous_handlers = stopflag.install()
         try:
-            with self.timer("other"):  # what the parts do not claim: the loop itself, checkpoints, log writes
+            # what the parts do not claim: the loop itself, checkpoints, log writes
+            with self.timer(TimeCategory.OTHER):
                 summary = self._train()
         except Preempted:
             # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
@@ -141,7 +149,7 @@ class Engine:
                     self.checkpoints.save(self.t, final=True)
                 return self._finish()
             except RankLost as lost:
-                with self.timer("idle"):
+                with self.timer(TimeCategory.IDLE):
                     self.t = self.survival.recover(lost)
 
     def _unit(self, t: int) -> bool:
@@ -161,9 +169,9 @@ class Engine:
         # A write that failed on rank 0 (a full disk) stops every rank like a signal, then raises there.
         signal = stopflag.requested() or self.run_dir.stop_file_present() or self.run_dir.failure is not None
         reason = self.mixer.stop_reason(t, self.rounds.due(t), signal)
-        if reason == "budget":
+        if reason == StopReason.BUDGET:
             return True
-        if reason == "signal":
+        if reason == StopReason.SIGNAL:
             self.mixer.drain()
             self._share_failure()
             self.checkpoints.save(t)
@@ -229,7 +237,7 @@ class Engine:
         self.log.consensus_rows(self.consensus.curve())
         with self.world.monitoring():
             mean = self.consensus.model()
-        with self.timer("eval"):
+        with self.timer(TimeCategory.EVAL):
             acc, loss = replica.evaluate(mean)
         distance = float(torch.dist(replica.flat, mean) / max(float(mean.norm()), 1e-12))
         # the round written at this very unit, if any (its snapshots are the weights delivered now)
@@ -288,8 +296,8 @@ def _env_threads() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
-def run(cfg, world: World, overwrite: bool = False, argv=None, progress: bool = True, resume=False
-        ) -> Optional[Summary]:
+def run(cfg: Config, world: World, *, overwrite: bool = False, argv: Optional[List[str]] = None,
+        progress: bool = True, resume: Resume = Resume.FRESH) -> Optional[Summary]:
     """Run one training job on this rank; rank 0 returns the summary."""
     run_dir = Path(cfg.output.root) / cfg.name
     engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress, resume=resume)

@@ -21,6 +21,7 @@ from ..config import Config
 from ..core import merge, partners
 from ..core.partners import Law
 from ..core.protocol import RunningDigest
+from ..errors import StopReason
 from ..results import Event, MergeRow
 from ..runtime.comm import Tag, World
 from ..workload import models
@@ -82,7 +83,7 @@ class Mixer:
     def law(self, t: int) -> Optional[Law]:
         return self.strategy.law(t)
 
-    def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[str]:
+    def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[StopReason]:
         """At signature rounds, one tiny Allreduce: ``signal`` if any rank was asked to stop (a signal or the
         STOP file), ``budget`` once any rank passed ``train.wall_budget``; the same answer on every rank.
 
@@ -95,7 +96,7 @@ class Mixer:
         over = budget is not None and self.timer.elapsed() >= budget
         with self.timer("idle"):
             flags = self.world.allreduce_array(np.array([float(signal), float(over)]), "max")
-        return "signal" if flags[0] > 0 else ("budget" if flags[1] > 0 else None)
+        return StopReason.SIGNAL if flags[0] > 0 else (StopReason.BUDGET if flags[1] > 0 else None)
 
     def drain(self) -> None:
         """Nothing is in flight between units under the virtual clock."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..config import Config
 from ..core.protocol import RunningDigest
 from ..runtime.comm import World
 from .async_mixer import AsyncMixer
@@ -28,13 +29,13 @@ class Parts(NamedTuple):
     collective_log: bool  # may the run log gather rows at every round?
 
 
-def build(cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest) -> Parts:
+def build(cfg: Config, world: World, timer: Timer, replica: Replica, agreement: RunningDigest) -> Parts:
     """The protocol-specific parts of a run (every rank calls it: set-up collectives)."""
     if cfg.protocol == "async":
-        rounds = GossipRounds(cfg, world, timer, replica, agreement)
+        gossip = GossipRounds(cfg, world, timer, replica=replica, agreement=agreement)
         consensus = AsyncConsensus(cfg, world, timer, replica)
-        mixer = AsyncMixer(cfg, world, timer, replica, agreement, rounds.table, consensus.snapshots)
-        return Parts(rounds, mixer, consensus, collective_log=False)
+        mixer = AsyncMixer(cfg, world, timer, replica, agreement, gossip.table, consensus.snapshots)
+        return Parts(gossip, mixer, consensus, collective_log=False)
     rounds = SignatureRounds(cfg, world, timer, replica, agreement)
     return Parts(rounds, Mixer(cfg, world, timer, replica, agreement), Consensus(cfg, world, timer, replica),
                  collective_log=True)

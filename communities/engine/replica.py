@@ -110,8 +110,8 @@ class Replica:
     def enable_outer(self, outer_cfg, anchor: bool = False) -> None:
         """An outer optimizer on merges (merge.outer) or on global averages (diloco, with an anchor)."""
         if self.outer is None:
-            self.outer = merge.OuterOptimizer(self.flat.numel(), outer_cfg.lr, outer_cfg.momentum,
-                                              outer_cfg.nesterov, self.device, self.flat.dtype)
+            self.outer = merge.OuterOptimizer(self.flat.numel(), lr=outer_cfg.lr, momentum=outer_cfg.momentum,
+                                              nesterov=outer_cfg.nesterov, device=self.device, dtype=self.flat.dtype)
         if anchor and self.anchor is None:
             self.anchor = self.flat.clone()
 
@@ -276,8 +276,9 @@ def _build_model(cfg: "Config", world: World, device: torch.device, placed: Plac
     ds = placed.dataset
     tracker = None
     if cfg.examples.track:
-        tracker = ExampleTracker(cfg.examples, np.asarray(placed.shard.indices, dtype=np.int64), ds.x_train,
-                                 ds.y_train, world.size, world.rank, cfg.seed, device, ds.n_classes)
+        tracker = ExampleTracker(cfg.examples, np.asarray(placed.shard.indices, dtype=np.int64),
+                                 x_pool=ds.x_train, y_pool=ds.y_train, world=world.size, rank=world.rank,
+                                 seed=cfg.seed, device=device, n_classes=ds.n_classes)
     torch.manual_seed(models.init_seed(cfg.seed, world.rank, cfg.model.init))
     model = models.build(cfg.model, ds.input_shape, ds.n_classes).to(device)
     models.check_output(model, placed.x_test[:4], ds.n_classes, cfg.model.name)

@@ -71,7 +71,8 @@ class _FunctionSignature:
 
         def make() -> probe.ProbeSigner:
             try:
-                return probe.ProbeSigner(sc.kind, replica.model, x_probe, sc.dim, cfg.seed, sc.layer, sc.debias)
+                return probe.ProbeSigner(sc.kind, replica.model, x_probe, dim=sc.dim, seed=cfg.seed, layer=sc.layer,
+                                         debias=sc.debias)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
 

@@ -23,13 +23,14 @@ import os
 import platform
 import shutil
 import subprocess
+from enum import Enum
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..config import differences
+from ..config import Config, differences
 from ..errors import ConfigError, DiskError, ResultsError, RunComplete, collective
 from ..manifest import DAMAGED, LATEST, complete_dirs
 from ..results import RunWriter, atomic_write_bytes, read_json, read_jsonl, repair_jsonl
@@ -43,6 +44,19 @@ log = logging.getLogger(__name__)
 
 STOP_FILE = "STOP"
 LOGS = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl")
+
+
+class Resume(Enum):
+    """How ``RunDirectory.open`` treats an existing run: start it, continue it, or continue it if it can."""
+
+    FRESH = "fresh"  # a new run (``--overwrite`` to replace one)
+    RESUME = "resume"  # ``--resume``: from the newest intact checkpoint; none is an error
+    AUTO = "auto"  # a SLURM restart: resume if there is a checkpoint, else start over
+
+    @classmethod
+    def of(cls, flag: bool, restart_count: int) -> "Resume":
+        """The command line's ``--resume`` and SLURM's ``SLURM_RESTART_COUNT``, as one value."""
+        return cls.RESUME if flag else (cls.AUTO if restart_count > 0 else cls.FRESH)
 
 
 def now() -> str:
@@ -62,7 +76,7 @@ def by_rank(bad: List[Tuple[int, str]], size: int) -> str:
 class RunDirectory:
     """``results/<name>/`` of one run: its lock and writer (rank 0), ``meta.json``, and the checkpoint to resume."""
 
-    def __init__(self, cfg, world: World, path: Path):
+    def __init__(self, cfg: Config, world: World, path: Path):
         self.cfg, self.world, self.path = cfg, world, Path(path)
         self.writer: Optional[RunWriter] = None
         self.lock: Optional[RunLock] = None
@@ -74,13 +88,11 @@ class RunDirectory:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
-    def open(self, overwrite: bool, resume, partition: Callable[[], dict], argv: List[str], device: torch.device,
-             n_params: int) -> Optional[Path]:
+    def open(self, overwrite: bool, resume: Resume, partition: Callable[[], dict], argv: List[str],
+             device: torch.device, n_params: int) -> Optional[Path]:
         """Lock, then create or continue the directory (a collective); returns the checkpoint every rank loads.
 
-        ``resume`` is False, True (``--resume``) or ``"auto"`` (a SLURM restart:
-        resume if there is a checkpoint, else start over). ``partition`` gives
-        ``partition.json``'s record; rank 0 calls it inside the collective check.
+        ``partition`` gives ``partition.json``'s record; rank 0 calls it inside the collective check.
         """
         try:
             return self._open(overwrite, resume, partition, argv, device, n_params)
@@ -88,7 +100,8 @@ class RunDirectory:
             self.release()
             raise
 
-    def _open(self, overwrite, resume, partition, argv, device, n_params) -> Optional[Path]:
+    def _open(self, overwrite: bool, resume: Resume, partition: Callable[[], dict], argv: List[str],
+              device: torch.device, n_params: int) -> Optional[Path]:
         w = self.world
 
         def lock_and_list() -> str:
@@ -96,11 +109,11 @@ class RunDirectory:
             note = self.lock.acquire(argv)
             if note:
                 log.info(note)
-            if not resume:
+            if resume is Resume.FRESH:
                 return ""
             self._refuse_complete()
             found = complete_dirs(self.checkpoints)
-            if not found and resume is True:
+            if not found and resume is Resume.RESUME:
                 raise ResultsError(f"{self.checkpoints}: no complete checkpoint to resume from")
             return "\n".join(p.name for p in found)
 
@@ -114,7 +127,7 @@ class RunDirectory:
 
         def open_writer() -> RunWriter:
             if chosen is None:
-                fresh_over_partial = resume == "auto"  # requeued before any checkpoint: same job, start over
+                fresh_over_partial = resume is Resume.AUTO  # requeued before any checkpoint: same job, start over
                 writer = RunWriter(self.path, overwrite=overwrite or fresh_over_partial)
                 writer.write_json("partition.json", partition())
             else:
@@ -163,8 +176,12 @@ class RunDirectory:
                 target = self.checkpoints / DAMAGED / f"{name}.{k}"
                 k += 1
             src = self.checkpoints / name
-            writer.guard(target, lambda src=src, target=target: (target.parent.mkdir(exist_ok=True),
-                                                                 os.replace(src, target)), "move a checkpoint to")
+
+            def move(src: Path = src, target: Path = target) -> None:
+                target.parent.mkdir(exist_ok=True)
+                os.replace(src, target)
+
+            writer.guard(target, move, "move a checkpoint to")
             log.info(f"communities: checkpoint {name} is damaged ({why}); moved to {target}")
         pointer = self.checkpoints / LATEST
         writer.guard(pointer, lambda: atomic_write_bytes(pointer, (chosen + "\n").encode()))
@@ -186,6 +203,7 @@ class RunDirectory:
             "status": "running",
             "resumed": previous.get("resumed", []) + ([{"from": resumed_from, "at": now()}] if resumed_from else []),
         }
+        assert self.writer is not None  # rank 0
         self.writer.write_json("meta.json", self.meta)
 
     def _refuse_complete(self) -> None:

@@ -16,11 +16,12 @@ import io
 import logging
 from itertools import groupby
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from ..config import Config
 from ..core.clustering import adjusted_rand
 from ..core.partners import Law
 from ..manifest import entry
@@ -31,6 +32,7 @@ from ..results import (
     MetricRow,
     RunWriter,
     Summary,
+    TimeCategory,
     finite_or_none,
 )
 from ..runtime.comm import World
@@ -50,7 +52,8 @@ FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring"
 class RunLog:
     """One rank's log buffer; on rank 0 also the writer of the run directory."""
 
-    def __init__(self, cfg, world: World, timer: Timer, writer: Optional[RunWriter], collective: bool = True):
+    def __init__(self, cfg: Config, world: World, timer: Timer, *, writer: Optional[RunWriter],
+                 collective: bool = True):
         self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
         self.collective = collective  # rows may be gathered at every round (false: only at a stop and the end)
         self.rank = world.rank
@@ -90,14 +93,15 @@ class RunLog:
         if self.writer is not None:  # under async: rank 0's own view
             cc = self.cfg.clustering
             com = rnd.communities
-            info = {
+            info: Dict[str, Any] = {
                 "round": rnd.index, "t": rnd.t, "n_communities": com.count,
                 "law": law.kind if law is not None else None, "k": rnd.k,
                 "p_cross": law.p_cross if law is not None and law.kind in ("flat", "frozen") else None,
                 "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
                 "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
-                "dispersion": finite_or_none(rnd.dispersion), "mean_update_norm": decision.update,
-                "relative_update": decision.relative_update, "ari": rnd.ari,
+                "dispersion": finite_or_none(rnd.dispersion),
+                "mean_update_norm": decision.update if decision is not None else None,
+                "relative_update": decision.relative_update if decision is not None else None, "ari": rnd.ari,
                 "hash": agreement.hex() if self.collective else None,
                 "outliers": np.flatnonzero(rnd.outliers).tolist() if self.cfg.robust.enabled else None,
             }
@@ -119,11 +123,11 @@ class RunLog:
         """
         if not (self.collective or final):
             return
-        with self.timer("idle"):
+        with self.timer(TimeCategory.IDLE):
             metrics = self.world.gather_rows(self._block(self.metric_rows, MetricRow))
             merges = self.world.gather_rows(self._block(self.merge_rows, MergeRow))
         self.metric_rows, self.merge_rows = [], []
-        if self.writer is None:
+        if self.writer is None or metrics is None or merges is None:  # not rank 0
             return
         local = self.cfg.data.local_test_fraction > 0
         rows = [MetricRow.from_row(m).to_json(r, local) for r, block in enumerate(metrics) for m in block]
@@ -144,16 +148,16 @@ class RunLog:
     def _examples(self, index: int, t: int, tracker: ExampleTracker) -> None:
         """examples.jsonl: one line per rank per signature round (counts, passes, confidence quantiles)."""
         row = np.concatenate([[t, self.world.bytes_data], tracker.stats()]).reshape(1, -1)
-        with self.timer("idle"):
+        with self.timer(TimeCategory.IDLE):
             rows = self.world.gather_rows(row)
-        if self.writer is None:
+        if self.writer is None or rows is None:  # not rank 0
             return
         fields = ("t", "data_bytes") + ExampleTracker.STATS_FIELDS
         out = []
         for r, block in enumerate(rows):
             if not block.size:  # a lost rank (comm.fault_tolerance: shrink)
                 continue
-            d = {"rank": r, "round": index}
+            d: Dict[str, Any] = {"rank": r, "round": index}
             for key, v in zip(fields, block[0]):
                 d[key] = finite_or_none(v) if key.startswith("q") else int(v)
             out.append(d)
@@ -191,7 +195,7 @@ class RunLog:
         view_rows = None
         if views is not None:  # rows of (round, t, wall, N labels)
             view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + w.size))
-        if self.writer is None:
+        if self.writer is None or gathered is None:  # not rank 0
             return None
         g = dict(zip(FINAL_FIELDS, np.concatenate(gathered).T))  # one column per field, one entry per rank
         accs = g["test_acc"]
@@ -219,6 +223,7 @@ class RunLog:
 
     def _examples_summary(self, ex_rows, hard_rows) -> dict:
         """Rank 0: totals over ranks of the example tables, and the globally hard ids (globally_hard.json)."""
+        assert self.writer is not None  # rank 0
         fields = ExampleTracker.STATS_FIELDS
         E = np.concatenate([r for r in ex_rows if r.size]).reshape(-1, len(fields))
         tot = {f: int(E[:, k].sum()) for k, f in enumerate(fields[:7])}
@@ -234,6 +239,7 @@ class RunLog:
 
     def _views(self, blocks: List[np.ndarray]) -> dict:
         """Rank 0: views.jsonl, and how far each rank's views agreed with rank 0's at the same wall time."""
+        assert self.writer is not None  # rank 0
         rows = [{"rank": r, "round": int(v[0]), "t": int(v[1]), "wall": round(float(v[2]), 4),
                  "labels": [int(x) for x in v[3:]]} for r, block in enumerate(blocks) for v in block]
         self.writer.append_jsonl("views.jsonl", rows)
@@ -252,12 +258,14 @@ def view_agreement(rows: List[dict]) -> dict:
     """ARI of every view against rank 0's latest view at that wall time: how much the ranks' communities agreed."""
     own = sorted((v for v in rows if v["rank"] == 0), key=lambda v: v["wall"])
     walls = np.array([v["wall"] for v in own])
-    scores, last = [], {}
+    scores: List[float] = []
+    last: Dict[int, float] = {}
     for v in rows:
         if v["rank"] == 0 or not own:
             continue
         k = max(int(np.searchsorted(walls, v["wall"], side="right")) - 1, 0)
         ari = adjusted_rand(np.asarray(v["labels"]), own[k]["labels"])
+        assert ari is not None  # (None only without groups)
         scores.append(ari)
         last[v["rank"]] = ari
     return {"views": len(rows), "mean_ari_vs_rank0": float(np.mean(scores)) if scores else None,

@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ class Survival(NoSurvival):
 
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
-    def __init__(self, world: World, parts: Dict[str, Stateful], replica, lost_shard: str, rewind, log_lost):
+    def __init__(self, world: World, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
         self._rewind, self._log_lost = rewind, log_lost  # rank 0: drop rows after t; write the LOST rows
         self.copies: List[Tuple[int, bytes]] = []
@@ -117,8 +117,8 @@ class Survival(NoSurvival):
         for rank in lost:
             self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
         recovered = time.time()
-        record = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
-                  "detected_wall": detected, "recovered_wall": recovered}
+        record: Dict[str, Any] = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
+                                  "detected_wall": detected, "recovered_wall": recovered}
         self.recoveries.append(record)
         if world.rank == 0:
             self._rewind(t, lost=True)

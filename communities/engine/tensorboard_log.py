@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..config import Config
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 TB_DIR = "tensorboard"  # under the run directory
 
 
-def check_available(cfg) -> None:
+def check_available(cfg: Config) -> None:
     """A ConfigError before anything is written when ``logging.tensorboard`` is on but the package is not there."""
     if cfg.logging.tensorboard and find_spec("tensorboard") is None:
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
@@ -49,7 +50,7 @@ def _finite(value) -> bool:
 class TensorBoardLog:
     """Rank 0's event file in ``RUN_DIR/tensorboard``; fed by the run log."""
 
-    def __init__(self, cfg, run_dir: Path, start_t: int = 0):
+    def __init__(self, cfg: Config, run_dir: Path, start_t: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
         self.cfg = cfg
@@ -133,7 +134,7 @@ class TensorBoardLog:
             ax = fig.add_axes((0.14, 0.1, 0.83, 0.8))
             dendrogram(Z, ax=ax, color_threshold=cut if _finite(cut) else None, no_labels=n > 64,
                        leaf_font_size=7)
-            if _finite(cut):
+            if cut is not None and _finite(cut):
                 ax.axhline(cut, color="0.5", linestyle="--", linewidth=0.8)
             ax.set_title(f"round {index} (t={t})", fontsize=9)
             ax.set_ylabel("distance", fontsize=8)

@@ -27,7 +27,7 @@ from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
-from ..results import TIME_CATEGORIES
+from ..results import TIME_CATEGORIES, TimeCategory
 
 
 class Timer:
@@ -36,10 +36,10 @@ class Timer:
     CATEGORIES = TIME_CATEGORIES
 
     def __init__(self) -> None:
-        self.total: Dict[str, float] = {c: 0.0 for c in TIME_CATEGORIES}
+        self.total: Dict[str, float] = {c: 0.0 for c in TIME_CATEGORIES}  # plain names: they reach JSON
         self._before = 0.0  # wall time of earlier segments of a resumed run
         self._start: Optional[float] = None
-        self._open: List[list] = []  # [category, time it last resumed]
+        self._open: List[list] = []  # [category's name, time it last resumed]
         self.calls: Dict[str, List[float]] = {}  # site -> durations of its collective calls, in order
         self.call_categories: Dict[str, List[str]] = {}
 
@@ -53,12 +53,16 @@ class Timer:
 
     @contextmanager
     def __call__(self, category: str) -> Iterator[None]:
-        """Count the block's time in ``category``, pausing the enclosing section."""
+        """Count the block's time in ``category`` (a ``TimeCategory``), pausing the enclosing section.
+
+        A plain name is accepted for what it equals; anything else is a ValueError naming it.
+        """
+        name = TimeCategory(category).value
         now = time.perf_counter()
         if self._open:
             outer = self._open[-1]
             self.total[outer[0]] += now - outer[1]
-        self._open.append([category, now])
+        self._open.append([name, now])
         try:
             yield
         finally:
@@ -74,7 +78,7 @@ class Timer:
 
         The time stays in the enclosing category until then.
         """
-        category = self._open[-1][0] if self._open else "idle"
+        category = self._open[-1][0] if self._open else TimeCategory.IDLE.value
         start = time.perf_counter()
         try:
             with self(category):
@@ -98,9 +102,9 @@ class Timer:
             transfer = world.allreduce_array(d, "min")
             waits = d - transfer
             for cat, w in zip(self.call_categories[site], waits):
-                if cat != "idle":
+                if cat != TimeCategory.IDLE:
                     self.total[cat] -= w
-                    self.total["idle"] += w
+                    self.total[TimeCategory.IDLE.value] += w
                     moved += w
         self.calls.clear()
         self.call_categories.clear()

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from ..errors import EXIT_WATCHDOG
 from .launcher import mpi
 
 
@@ -171,7 +172,7 @@ class Watchdog:
                 sys.stderr.write(f"communities: watchdog: rank {self.rank} waited more than {self.timeout:g}s{where} "
                                  f"in {what}{who}; aborting the job (comm.timeout)\n")
                 sys.stderr.flush()
-                self._abort(3)
+                self._abort(EXIT_WATCHDOG)
                 return
 
 

@@ -193,7 +193,6 @@ def load_synthetic(cfg, test_fraction: float, seed: int) -> Dataset:
     return Dataset(xtr, ytr, xte, yte, "synthetic")
 
 
-DATASET_KEYWORDS = ("seed", "root", "rank", "world_size")
 SHARDED_KEYWORDS = ("rank", "world_size")  # a function that takes either reads its own shard
 ARRAY_KEYS = ("x_train", "y_train", "x_test", "y_test")
 GROUP_KEYS = ("groups", "example_groups")

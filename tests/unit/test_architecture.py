@@ -69,3 +69,109 @@ def test_the_report_never_imports_torch_or_mpi():
         mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                  and not n.level}
         assert not mods & {"torch", "mpi4py"}, path
+
+
+# ---------------------------------------------------------------- the shape of the engine's classes
+
+MAX_CLASS_LINES = 300
+
+
+def _classes(*layers: str):
+    for layer in layers:
+        for path in sorted((PACKAGE / layer).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    yield f"{layer}/{path.name}", node
+
+
+def _self_targets(node: ast.AST, self_name: str):
+    """The attribute names a function body assigns or annotates on ``self_name`` (``self.x = ...``, ``self.x: T``)."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Assign):
+            targets = sub.targets
+        elif isinstance(sub, (ast.AnnAssign, ast.AugAssign)):
+            targets = [sub.target]
+        else:
+            continue
+        for target in targets:
+            for t in ast.walk(target):  # tuple targets: ``self.a, self.b = ...``
+                if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == self_name
+                        and isinstance(t.ctx, ast.Store)):
+                    yield t.attr
+
+
+def _first_arg(fn) -> str:
+    args = fn.args.posonlyargs + fn.args.args
+    return args[0].arg if args else ""
+
+
+def _decorated(fn, name: str) -> bool:
+    return any(isinstance(d, ast.Name) and d.id == name for d in fn.decorator_list)
+
+
+def _class_level(cls: ast.ClassDef) -> set:
+    """Names set or annotated in the class body itself (dataclass fields, class constants)."""
+    names = set()
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            names.add(stmt.target.id)
+        elif isinstance(stmt, ast.Assign):
+            names |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _late_attributes(cls: ast.ClassDef) -> list:
+    """Attributes a method other than ``__init__`` assigns on ``self`` that ``__init__`` and the class never set.
+
+    A classmethod that builds its instance (``obj = cls.__new__(cls)``; ``obj.x = ...``) counts as an ``__init__``.
+    Inherited attributes are not followed: a subclass that sets what its base's ``__init__`` set is reported.
+    """
+    known = _class_level(cls)
+    late = {}
+    for fn in cls.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _decorated(fn, "staticmethod"):
+            continue
+        if fn.name == "__init__":
+            known |= set(_self_targets(fn, _first_arg(fn)))
+        elif _decorated(fn, "classmethod"):
+            for sub in ast.walk(fn):  # ``obj = cls(...)`` / ``cls.__new__(cls)``: obj's attributes are built here
+                if isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Call) and len(sub.targets) == 1 \
+                        and isinstance(sub.targets[0], ast.Name):
+                    known |= set(_self_targets(fn, sub.targets[0].id))
+        else:
+            for attr in _self_targets(fn, _first_arg(fn)):
+                late.setdefault(attr, fn.name)
+    return sorted(f"{cls.name}.{a} (in {m})" for a, m in late.items() if a not in known)
+
+
+@pytest.mark.xfail(strict=False, reason="other branches (comm, strategies, replica) split the remaining large classes")
+def test_no_class_in_the_engine_or_runtime_is_over_300_lines():
+    big = [f"{where} {cls.name}: {cls.end_lineno - cls.lineno + 1} lines"
+           for where, cls in _classes("engine", "runtime") if cls.end_lineno - cls.lineno + 1 > MAX_CLASS_LINES]
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: " + "; ".join(big)
+
+
+@pytest.mark.xfail(strict=False, reason="other branches (mixer, replica, rounds, exchange) move the remaining "
+                                        "attributes into __init__")
+def test_every_engine_attribute_is_first_set_in_init():
+    late = [f"{where} {a}" for where, cls in _classes("engine") for a in _late_attributes(cls)]
+    assert not late, "attributes first set outside __init__ (set or annotate them there): " + "; ".join(late)
+
+
+def test_the_attribute_rule_sees_what_it_should():
+    src = '''
+class A:
+    x: int
+    def __init__(self):
+        self.a, self.b = 1, 2
+    @classmethod
+    def build(cls):
+        obj = cls.__new__(cls)
+        obj.c = 3
+        return obj
+    def later(self):
+        self.a = self.x = self.c = 0
+        self.d = 4
+'''
+    (cls,) = [n for n in ast.parse(src).body if isinstance(n, ast.ClassDef)]
+    assert _late_attributes(cls) == ["A.d (in later)"]

@@ -10,6 +10,7 @@ import torch
 from communities import manifest
 from communities.engine import checkpoint
 from communities.engine.loop import Engine
+from communities.engine.run_dir import Resume
 from communities.errors import ResultsError
 from tests.helpers.damage import as_if_interrupted, flip_payload_bit, truncate
 from tests.unit.test_disk_errors import world_
@@ -35,7 +36,7 @@ def test_a_flipped_bit_loads_silently_but_fails_its_digest(tmp_path):
     assert manifest.file_mismatch(path, expected) == "missing"
 
 
-def run(tmp_path, name="cut", resume=False, **overrides):
+def run(tmp_path, name="cut", resume=Resume.FRESH, **overrides):
     cfg = make_cfg(**{"output.root": str(tmp_path), "name": name, "checkpoint.every": 4,
                       "checkpoint.at_end": False, **overrides})
     return Engine(cfg, world_(), tmp_path / name, progress=False, resume=resume).run()
@@ -74,7 +75,7 @@ def test_the_manifest_lists_every_rank_file(ref):
 def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one_bitwise(ref, tmp_path, capsys, damage):
     cut = interrupted_copy(ref, tmp_path)
     damage(cut / "checkpoints" / "u00000008" / "rank00000.pt")
-    run(tmp_path, name="tiny", resume=True)
+    run(tmp_path, name="tiny", resume=Resume.RESUME)
     out = capsys.readouterr().out
     assert "checkpoint u00000008 is damaged" in out and "rank00000.pt: damaged checkpoint file" in out
     assert "falling back to checkpoint u00000004 (t=4)" in out
@@ -88,7 +89,7 @@ def test_no_intact_checkpoint_is_an_error_naming_every_damaged_file(ref, tmp_pat
     (cut / "checkpoints" / "u00000004" / manifest.COMPLETE).write_text("{torn")
     before = sorted(p.relative_to(cut) for p in cut.rglob("*"))
     with pytest.raises(ResultsError) as err:
-        run(tmp_path, name="tiny", resume=True)
+        run(tmp_path, name="tiny", resume=Resume.RESUME)
     msg = str(err.value)
     assert "no intact checkpoint to resume from" in msg
     assert "u00000008/rank00000.pt: damaged checkpoint file" in msg and "u00000004/COMPLETE: damaged" in msg
@@ -97,7 +98,7 @@ def test_no_intact_checkpoint_is_an_error_naming_every_damaged_file(ref, tmp_pat
 
 def test_a_renamed_run_directory_resumes_under_its_new_name(ref, tmp_path):
     cut = interrupted_copy(ref, tmp_path, name="trunc")
-    run(tmp_path, name="trunc", resume=True)
+    run(tmp_path, name="trunc", resume=Resume.RESUME)
     assert identical(consensus(cut), consensus(ref))
     import json
 

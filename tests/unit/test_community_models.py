@@ -104,7 +104,8 @@ def _rows(cross=None, intra=None):
     row = conflict.empty()
     for kind, sides in (("cross", cross), ("intra", intra)):
         for before, after in sides or []:
-            conflict.record(row, kind, 10, before * 10, after * 10, after * 20, 9.0, 5.0, 1.0)
+            conflict.record(row, kind, examples=10, loss_before=before * 10, loss_after=after * 10,
+                            loss_partner=after * 20, correct_before=9.0, correct_after=5.0, correct_partner=1.0)
     return row
 
 

@@ -23,7 +23,8 @@ QUICK = ROOT / "configs" / "quickstart.yaml"
 def _one(kind, merges, before, after):
     row = conflict.empty()
     for _ in range(merges):
-        conflict.record(row, kind, 10, before * 10, after * 10, 0.0, 5.0, 5.0, 5.0)
+        conflict.record(row, kind, examples=10, loss_before=before * 10, loss_after=after * 10,
+                        loss_partner=0.0, correct_before=5.0, correct_after=5.0, correct_partner=5.0)
     return row
 
 
@@ -48,8 +49,10 @@ def test_the_rule_needs_min_merges_and_a_harm_strictly_over_the_threshold():
 
 def test_record_adds_into_its_kinds_columns_and_totals_name_them():
     row = conflict.empty()
-    conflict.record(row, "intra", 7, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
-    conflict.record(row, "intra", 3, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+    conflict.record(row, "intra", examples=7, loss_before=1.0, loss_after=2.0,
+                    loss_partner=3.0, correct_before=4.0, correct_after=5.0, correct_partner=6.0)
+    conflict.record(row, "intra", examples=3, loss_before=1.0, loss_after=2.0,
+                    loss_partner=3.0, correct_before=4.0, correct_after=5.0, correct_partner=6.0)
     t = conflict.totals(row)
     assert set(t) == set(conflict.FIELDS) and len(row) == conflict.WIDTH
     assert (t["intra_merges"], t["intra_examples"], t["intra_loss_after"], t["intra_correct_partner"]) == \

@@ -14,6 +14,7 @@ import torch
 
 from communities import manifest
 from communities.engine.loop import Engine
+from communities.engine.run_dir import Resume
 from communities.errors import DiskError
 from communities.results import LOCK_FILE, RunWriter, disk_error, read_jsonl
 from communities.runlock import probe
@@ -75,7 +76,7 @@ def world_():
     return _WORLD[0]
 
 
-def run_engine(tmp_path, name, resume=False, **overrides):
+def run_engine(tmp_path, name, resume=Resume.FRESH, **overrides):
     cfg = make_cfg(**{"output.root": str(tmp_path / name), "checkpoint.every": 4, **overrides})
     engine = Engine(cfg, world_(), tmp_path / name / "tiny", progress=False, resume=resume)
     return engine.run()
@@ -112,7 +113,7 @@ def test_a_full_disk_stops_the_run_cleanly_and_resume_continues_bitwise(tmp_path
     assert not (run / "summary.json").exists() and not (run / "consensus.pt").exists()
     assert probe(run).held is False and (run / LOCK_FILE).read_text() == ""
     rest = {k: v for k, v in overrides.items() if k != "faults.disk_full_at"}
-    run_engine(tmp_path, "cut", resume=True, **rest)
+    run_engine(tmp_path, "cut", resume=Resume.RESUME, **rest)
     final = torch.load(run / "consensus.pt", weights_only=True)
     assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
     assert [r["t"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 13))

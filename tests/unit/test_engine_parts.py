@@ -266,9 +266,10 @@ def test_checkpointer_restores_every_part(world, tmp_path):
     cfg, timer, replica = build(world)
     mixer = Mixer(cfg, world, timer, replica, RunningDigest())
     parts = {"replica": replica, "mixer": mixer, "timer": timer, "traffic": world}
-    ck = Checkpointer(cfg, world, tmp_path / "checkpoints", parts, before_save=lambda: None, info=lambda: {})
+    ck = Checkpointer(cfg, world, tmp_path / "checkpoints", parts=parts, before_save=lambda: None, info=lambda: {})
     replica.train_unit(1)
-    assert ck.save(1)
+    ck.save(1)
+    assert (tmp_path / "checkpoints" / "u00000001").is_dir()
     w1 = replica.flat.clone()
     replica.train_unit(2)
     assert ck.load(tmp_path / "checkpoints" / "u00000001") == 1

@@ -279,7 +279,7 @@ def test_weighted_rules_conserve_the_weighted_sum(rule):
 def test_outer_optimizer_identity_at_lr1_mu0():
     before, merged = torch.randn(10), torch.randn(10)
     target = merged.clone()
-    merge.OuterOptimizer(10, 1.0, 0.0, False).step_(before, merged)
+    merge.OuterOptimizer(10, lr=1.0, momentum=0.0, nesterov=False).step_(before, merged)
     assert torch.allclose(merged, target)
 
 
@@ -397,7 +397,7 @@ def test_outer_optimizer_is_torch_sgd_with_nesterov_on_pseudo_gradients():
     w0 = torch.randn(n, generator=gen, dtype=torch.float64)
     p = torch.nn.Parameter(w0.clone())
     sgd = torch.optim.SGD([p], lr=lr, momentum=mu, nesterov=True)
-    outer = merge.OuterOptimizer(n, lr, mu, True, dtype=torch.float64)
+    outer = merge.OuterOptimizer(n, lr=lr, momentum=mu, nesterov=True, dtype=torch.float64)
     w = w0.clone()
     for step in range(6):
         g = torch.randn(n, generator=gen, dtype=torch.float64) * (0.5 + step)

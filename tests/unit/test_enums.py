@@ -1,0 +1,41 @@
+"""The enums that replaced strings and tri-states: resume, the stop, timer categories."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from communities.engine.run_dir import Resume
+from communities.engine.timer import Timer
+from communities.errors import StopReason
+from communities.results import TIME_CATEGORIES, TimeCategory
+
+
+def test_resume_from_the_command_line_and_slurm():
+    assert Resume.of(True, 0) is Resume.RESUME and Resume.of(True, 3) is Resume.RESUME
+    assert Resume.of(False, 1) is Resume.AUTO
+    assert Resume.of(False, 0) is Resume.FRESH
+    with pytest.raises(ValueError, match="True is not a valid Resume"):
+        Resume(True)  # the old tri-state is refused, not read as a truth value
+
+
+def test_time_categories_keep_their_plain_names():
+    assert TIME_CATEGORIES == ("train", "exchange", "signature", "idle", "eval", "other")
+    assert all(type(c) is str for c in TIME_CATEGORIES)
+    assert json.dumps({TimeCategory.IDLE: 1.0, "v": TimeCategory.EVAL}) == '{"idle": 1.0, "v": "eval"}'
+    timer = Timer()
+    with timer(TimeCategory.TRAIN):
+        with timer("idle"):  # the plain name is the same category
+            pass
+    assert list(timer.split()) == list(TIME_CATEGORIES) and all(type(k) is str for k in timer.total)
+
+
+def test_an_unknown_timer_category_is_refused():
+    with pytest.raises(ValueError, match="'waiting' is not a valid TimeCategory"):
+        with Timer()("waiting"):
+            pass
+
+
+def test_stop_reasons_compare_with_their_values():
+    assert StopReason.SIGNAL == "signal" and StopReason.BUDGET == "budget"
+    assert StopReason("budget") is StopReason.BUDGET
