@@ -304,7 +304,8 @@ def test_inspect_many_ranks_truncates(tmp_path, n, capsys):
                  "dendrogram_round_0000.png", "dendrogram_round_0001.png"):
         assert _nonempty(rep / name), name
     assert not (rep / "dendrogram_round_0000.svg").exists()  # > 128 leaves: PNG only
-    assert not (rep / "merge_matrix.svg").exists()
+    # The merge matrix of a population is community x community: a few cells, so its SVG stays small.
+    assert (rep / "merge_matrix.svg").stat().st_size < 200_000
     assert f"{n} ranks" in capsys.readouterr().out
 
 
