@@ -218,7 +218,9 @@ def plot_dendrogram(ax, Z: np.ndarray, groups: Optional[np.ndarray] = None, cut_
     if not truncate:
         ax.set_xlabel("rank")
     elif communities is not None:
-        ax.set_xlabel(f"{n} ranks as {shown} leaves (the communities): 'cX (k)' = community X of k ranks; "
+        k_comm = int(np.unique(np.asarray(communities)).size)
+        what = "the communities" if k_comm == shown else f"{k_comm} communit{'y' if k_comm == 1 else 'ies'}"
+        ax.set_xlabel(f"{n} ranks as {shown} leaves ({what}): 'cX (k)' = community X of k ranks; "
                       "ticks: the merges inside", fontsize=9)
     else:
         ax.set_xlabel(f"rank (truncated to the last {shown} clusters; '(k)' = k ranks)")

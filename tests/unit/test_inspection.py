@@ -784,3 +784,9 @@ def test_bulk_jsonl_reads_what_the_line_reader_reads(tmp_path):
     with pytest.raises(load.ResultsError, match="line 13"):
         load.read_jsonl_bulk(p)
     assert load.read_jsonl_bulk(tmp_path / "absent.jsonl") == []
+
+
+def test_member_lists_of_a_population_are_cut_with_their_count():
+    assert load._ranges_plain([0, 1, 2, 5]) == "0-2, 5"
+    text = load._ranges_plain(list(range(0, 512, 2)))
+    assert text.endswith("... (256 ranks)") and text.count(",") == 12
