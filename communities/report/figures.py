@@ -11,10 +11,17 @@ What it writes to the report directory (``--out``), each as PNG:
 - ``merge_matrix.png``: how often each pair of ranks merged, in the final round's
   dendrogram leaf order;
 - ``dendrogram_round_NNNN.png``: one per chosen round (``load.select_rounds``), cut
-  drawn at ``cut_height``, leaf labels coloured by planted group, truncated for
-  many ranks;
+  drawn at ``cut_height``, leaf labels coloured by planted group;
 - SVG copies of the figures that stay small (``--no-svg`` turns them off): a
   dendrogram gets one only when it is drawn untruncated (at most 128 ranks).
+
+A population (more than ``LARGE_WORLD`` = 128 ranks) is drawn by community, since
+one mark per rank would be unreadable: each tree is truncated to its round's
+communities (``truncate_mode="lastp"``, one leaf ``cX (k)`` per community, ticks for
+the merges inside), the merge matrix is community x community
+(``load.community_merge_counts``), the timeline's rows are labelled by the first
+round's communities, and the per-rank curves are quantile bands. The report of 1,024 ranks
+x 50 rounds takes about 10 s of CPU (``communities bench inspect --ranks 1024``).
 
 In a comparison report each run's own figures carry a ``runK_`` prefix. Figures are
 made without pyplot (no global state, no GUI backend), and matplotlib is imported
@@ -34,11 +41,12 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 from scipy.cluster import hierarchy
 
-from .load import RunView, fmt
+from .load import RunView, community_merge_counts, fmt
 
 DPI = 100
 MAX_DENDROGRAM_LEAVES = 128  # draw every leaf up to this many ranks; beyond, truncate
-TRUNCATE_P = 64  # leaves shown by truncate_mode="lastp"
+TRUNCATE_P = 64  # leaves shown by truncate_mode="lastp" (also the most communities a truncated tree shows)
+LARGE_WORLD = MAX_DENDROGRAM_LEAVES  # above this many ranks (a population) the figures are drawn by community
 SVG_MAX_ELEMENTS = 40_000  # drawn points/cells (a line counts 50) above which an SVG passes ~1 MB
 
 # --------------------------------------------------------------------------- trees
@@ -95,6 +103,30 @@ def _group_palette(k: int) -> List[tuple]:
     return _palette(k)[::-1]
 
 
+def community_leaves(communities: np.ndarray, cap: int = TRUNCATE_P) -> int:
+    """Leaves of a tree truncated to its communities: one per community (at least 2, at most ``cap``)."""
+    return int(min(max(np.unique(np.asarray(communities)).size, 2), cap))
+
+
+def _contraction_marks(Z: np.ndarray, leaves: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """(x, height) of every merge hidden inside a contracted leaf, as scipy's ``show_contracted`` marks them.
+
+    Drawn as one scatter rather than scipy's one Ellipse patch per merge (10^3 patches per tree).
+    """
+    n = Z.shape[0] + 1
+    xs: List[float] = []
+    ys: List[float] = []
+    for pos, leaf in enumerate(leaves):
+        stack = [int(Z[leaf - n, 0]), int(Z[leaf - n, 1])] if leaf >= n else []
+        while stack:
+            k = stack.pop()
+            if k >= n:
+                xs.append(5.0 + 10.0 * pos)
+                ys.append(float(Z[k - n, 2]))
+                stack.extend((int(Z[k - n, 0]), int(Z[k - n, 1])))
+    return np.asarray(xs), np.asarray(ys)
+
+
 def _node_communities(Z: np.ndarray, community: np.ndarray) -> np.ndarray:
     """Community of every tree node (leaves then merges), -1 where a node spans several. O(N), no recursion."""
     n = Z.shape[0] + 1
@@ -145,8 +177,9 @@ def plot_dendrogram(ax, Z: np.ndarray, groups: Optional[np.ndarray] = None, cut_
     n = Z.shape[0] + 1
     truncate = max_leaves is not None and n > max_leaves
     shown = min(p, n) if truncate else n
-    kw = dict(truncate_mode="lastp", p=p, show_contracted=True) if truncate else {}
+    kw = dict(truncate_mode="lastp", p=p, show_contracted=False) if truncate else {}
     font = 9 if shown <= 32 else 7 if shown <= 64 else 5 if shown <= 160 else 3
+    rotation = 90
     color_threshold = float(cut_height) if cut_height is not None and math.isfinite(cut_height) else 0.0
     if communities is not None:
         from matplotlib.colors import to_hex
@@ -154,10 +187,19 @@ def plot_dendrogram(ax, Z: np.ndarray, groups: Optional[np.ndarray] = None, cut_
         node = _node_communities(Z, np.asarray(communities))
         hexes = [to_hex(c) for c in (palette or _palette(int(node.max()) + 1))]
         kw["link_color_func"] = lambda k: hexes[node[k] % len(hexes)] if node[k] >= 0 else "#666666"
+        if truncate:  # a contracted leaf says which community it is and how many ranks it holds
+            kw["leaf_label_func"] = lambda k: (str(k) if k < n else
+                                               f"c{node[k]} ({int(Z[k - n, 3])})" if node[k] >= 0 else
+                                               f"({int(Z[k - n, 3])})")
+            rotation = 0 if shown <= 16 else 90
 
     with recursion_limit(2 * n + 1000):
         R = hierarchy.dendrogram(Z, ax=ax, color_threshold=color_threshold, above_threshold_color="#666666",
-                                 leaf_rotation=90, leaf_font_size=font, no_labels=shown > 512, **kw)
+                                 leaf_rotation=rotation, leaf_font_size=font, no_labels=shown > 512, **kw)
+    if truncate:  # the merges inside each contracted leaf, as ticks at their heights
+        xs, ys = _contraction_marks(Z, R["leaves"])
+        if xs.size:
+            ax.scatter(xs, ys, marker="_", s=16, linewidths=0.5, color="k", alpha=0.3, zorder=3)
     if color_threshold > 0:
         ax.axhline(color_threshold, color="k", linestyle="--", linewidth=1, label=f"cut {color_threshold:.3g}")
     if groups is not None and shown <= 512:
@@ -173,7 +215,15 @@ def plot_dendrogram(ax, Z: np.ndarray, groups: Optional[np.ndarray] = None, cut_
     elif color_threshold > 0:
         ax.legend(fontsize=7, loc="upper right")
     ax.set_ylabel("linkage height")
-    ax.set_xlabel(f"rank (truncated to the last {shown} clusters; '(k)' = k ranks)" if truncate else "rank")
+    if not truncate:
+        ax.set_xlabel("rank")
+    elif communities is not None:
+        k_comm = int(np.unique(np.asarray(communities)).size)
+        what = "the communities" if k_comm == shown else f"{k_comm} communit{'y' if k_comm == 1 else 'ies'}"
+        ax.set_xlabel(f"{n} ranks as {shown} leaves ({what}): 'cX (k)' = community X of k ranks; "
+                      "ticks: the merges inside", fontsize=9)
+    else:
+        ax.set_xlabel(f"rank (truncated to the last {shown} clusters; '(k)' = k ranks)")
     return R
 
 
@@ -217,13 +267,15 @@ def _dendrogram_figure(view: RunView, k: int, out: Path, stem: str, svg: bool,
                        canvas: Optional[_DendrogramCanvas] = None) -> List[str]:
     Z = view.Zs[k]
     n = view.n
-    shown = min(TRUNCATE_P, n) if n > MAX_DENDROGRAM_LEAVES else n
-    w = min(18.0, max(7.0, 0.14 * shown + 2))
+    # A population's tree is truncated to that round's communities, one leaf each (with its rank count).
+    p = community_leaves(view.stable[k]) if n > MAX_DENDROGRAM_LEAVES else TRUNCATE_P
+    shown = min(p, n) if n > MAX_DENDROGRAM_LEAVES else n
+    w = min(18.0, max(7.0 if n <= MAX_DENDROGRAM_LEAVES else 10.0, 0.14 * shown + 2))
     own = canvas is None
     canvas = canvas or _DendrogramCanvas()
     ax = canvas.axes(w, 5.0)
     info = view.infos[k]
-    plot_dendrogram(ax, Z, view.groups, info.get("cut_height"), communities=view.stable[k],
+    plot_dendrogram(ax, Z, view.groups, info.get("cut_height"), communities=view.stable[k], p=p,
                     palette=_palette(int(view.stable.max()) + 1))
     title = (f"{view.label}: round {int(view.round_idx[k])} (t={int(view.round_t[k])}), "
              f"{int(view.n_comm[k])} communities, {info.get('linkage', '?')}/{info.get('metric', '?')}, "
@@ -284,9 +336,16 @@ def _timeline_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str
     if n <= 64:
         ax.set_yticks(np.arange(n), [str(int(r)) for r in order], fontsize=6 if n > 32 else 8)
         ax.set_ylabel("rank")
-    else:
-        ax.set_yticks([])
-        ax.set_ylabel(f"{n} ranks (grouped by community history)")
+    else:  # one tick per block of the first round's communities (the rows are sorted by it first)
+        ids, start, count = np.unique(S[0, order], return_index=True, return_counts=True) if R else ((), (), ())
+        if 0 < len(ids) <= 40:
+            ax.set_yticks(np.asarray(start) + (np.asarray(count) - 1) / 2,
+                          [f"c{int(c)} ({int(m)})" for c, m in zip(ids, count)], fontsize=7 if len(ids) <= 20 else 5)
+            ax.set_ylabel(f"{n} ranks, grouped by community history (ticks: round {int(view.round_idx[0])}'s "
+                          "communities, ranks)")
+        else:
+            ax.set_yticks([])
+            ax.set_ylabel(f"{n} ranks (grouped by community history)")
     if n_ids <= 20:
         from matplotlib.patches import Patch
 
@@ -296,11 +355,71 @@ def _timeline_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str
     return _save(fig, out, stem, svg and n * R <= SVG_MAX_ELEMENTS and n <= 256)
 
 
+def _community_rounds(view: RunView) -> List[Tuple[str, int]]:
+    """The rounds whose communities aggregate a population's merge matrix: the first (the sharpest) and the
+    last with more than one community (the final round when it still has several)."""
+    if not view.infos:
+        return []
+    picks = [("the first round", 0)]
+    several = np.flatnonzero(view.n_comm > 1)
+    last = len(view.infos) - 1
+    if several.size and int(several[-1]) > 0:
+        k = int(several[-1])
+        picks.append(("the final round" if k == last else "the last round with several communities", k))
+    elif last > 0:
+        picks.append(("the final round", last))
+    return picks
+
+
+def _community_merge_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
+    """A population's merge matrix: exchanges between and inside communities (community x community),
+    where a rank x rank image would be noise. Ids and colours are the timeline's."""
+    picks = _community_rounds(view)
+    w = 6.0 * len(picks) + 1.2
+    fig = _figure(w, 6.0)
+    fig.subplots_adjust(left=0.9 / w, right=1 - 0.3 / w, bottom=0.12, top=0.86, wspace=0.35)
+    axes = fig.subplots(1, len(picks), squeeze=False)[0]
+    total = int(view.merge_matrix.sum() // 2)
+    pal = _palette(int(view.stable.max()) + 1)
+    for ax, (where, k) in zip(axes, picks):
+        ids, B = community_merge_counts(view.merge_matrix, view.stable[k])
+        im = ax.imshow(B, interpolation="nearest", cmap="magma_r", vmin=0, vmax=max(1, int(B.max())))
+        m = len(ids)
+        if m <= 40:
+            sizes = np.bincount(np.searchsorted(ids, view.stable[k]), minlength=m)
+            labels = [f"c{int(c)} ({int(z)})" for c, z in zip(ids, sizes)]
+            font = 8 if m <= 12 else 6 if m <= 24 else 4
+            ax.set_xticks(np.arange(m), labels, fontsize=font, rotation=90)
+            ax.set_yticks(np.arange(m), labels, fontsize=font)
+            for tick_set in (ax.get_xticklabels(), ax.get_yticklabels()):
+                for text, c in zip(tick_set, ids):
+                    text.set_color(pal[int(c) % len(pal)])
+        else:
+            ax.set_xticks([])
+            ax.set_yticks([])
+        if m <= 12:  # the counts themselves
+            hi = B.max() or 1
+            for a in range(m):
+                for b in range(m):
+                    ax.text(b, a, str(int(B[a, b])), ha="center", va="center", fontsize=7,
+                            color="white" if B[a, b] > 0.6 * hi else "black")
+        inside = int(np.trace(B))
+        share = f"{100 * inside / total:.1f}%" if total else "-"
+        ax.set_title(f"communities of {where} (round {int(view.round_idx[k])}, t={int(view.round_t[k])}):\n"
+                     f"{m} communities, {share} of exchanges inside one", fontsize=9)
+        fig.colorbar(im, ax=ax, label="exchanges", shrink=0.8)
+    fig.suptitle(f"{view.label}: exchanges between communities ({total} exchanges over the run, {view.n} ranks; "
+                 "'cX (k)': community X of k ranks)", fontsize=10)
+    return _save(fig, out, stem, svg)
+
+
 def _merge_matrix_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
     """Merges per pair in the final round's leaf order (where the run ended up) and, beside it,
     in the first round's order (where the communities were sharpest), so both who-merged-with-whom
     and how much gossip stayed inside the early communities are visible."""
     n = view.n
+    if n > LARGE_WORLD and view.infos:
+        return _community_merge_figure(view, out, stem, svg)
     orders = []
     if view.Zs and n > 1:
         orders.append(("the final round's dendrogram leaf order", hierarchy.leaves_list(view.Zs[-1])))
@@ -342,6 +461,22 @@ def _lines(ax, x: np.ndarray, Y: np.ndarray, color, alpha: float = 0.25, lw: flo
         ax.add_collection(LineCollection(segs, colors=[color], alpha=alpha, linewidths=lw))
         ax.autoscale_view()
     return int(sum(len(s) for s in segs)) + 50 * len(segs)
+
+
+def _bands(ax, x: np.ndarray, Y: np.ndarray, color) -> int:
+    """The spread over rows of Y as quantile bands (5-95 %, 25-75 %) and the median: a population's ranks,
+    where one line each would be a solid blot. Columns without a value are skipped; returns points drawn."""
+    ok = np.isfinite(Y).any(axis=0)
+    if not ok.any():
+        return 0
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q05, q25, q50, q75, q95 = np.nanquantile(Y[:, ok], [0.05, 0.25, 0.5, 0.75, 0.95], axis=0)
+    xs = x[ok]
+    ax.fill_between(xs, q05, q95, color=color, alpha=0.15, linewidth=0, label=f"ranks 5-95 % ({Y.shape[0]})")
+    ax.fill_between(xs, q25, q75, color=color, alpha=0.35, linewidth=0, label="ranks 25-75 %")
+    ax.plot(xs, q50, color=color, linewidth=0.8, label="median rank")
+    return 5 * int(ok.sum())
 
 
 def _nanmean_cols(Y: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -400,13 +535,18 @@ class _CurvePanels:
         overlay, plot = self.overlay, self.plot
         mean, ok = _nanmean_cols(v.test_acc)
         tt = v.metric_t.astype(float)
-        if not overlay and ok.any():
+        bands = v.n > LARGE_WORLD  # a population: quantile bands, not one line per rank
+        if not overlay and ok.any() and bands:
+            self.points += _bands(self.acc, tt, v.test_acc, "C0")
+        elif not overlay and ok.any():
             self.points += _lines(self.acc, tt, v.test_acc, "C0")
             self.acc.plot([], [], color="C0", alpha=0.4, linewidth=0.6, label=f"each rank ({v.n})")
         plot(self.acc, tt[ok], mean, color=col if overlay else "C1", linewidth=2,
              label=lab if overlay else "mean over ranks")
         b_mean, b_ok = _nanmean_cols(v.bytes_sent / 1e6)
-        if not overlay and b_ok.any():
+        if not overlay and b_ok.any() and bands:
+            self.points += _bands(self.bytes, tt, v.bytes_sent / 1e6, "C0")
+        elif not overlay and b_ok.any():
             self.points += _lines(self.bytes, tt, v.bytes_sent / 1e6, "C0")
             self.bytes.plot([], [], color="C0", alpha=0.4, linewidth=0.6, label="each rank")
         plot(self.bytes, tt[b_ok], b_mean, color=col if overlay else "C1", linewidth=2,

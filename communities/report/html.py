@@ -16,7 +16,7 @@ import html
 from pathlib import Path
 from typing import List, Sequence
 
-from .figures import RunFigures
+from .figures import LARGE_WORLD, RunFigures
 from .load import RunView, community_model_rows, compress_counts, fmt, models_at_round, round_rows, summary_text
 
 _CSS = """
@@ -86,7 +86,12 @@ def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: s
                      "smaller part of a split gets a new id, and a merge keeps the id of its larger part. "
                      "Dendrogram links use the same colours.</p>")
         parts.append(_img(figs.timeline, "community timeline"))
+    large = view.n > LARGE_WORLD and bool(view.infos)
     parts.append("<h3>Merge matrix</h3>")
+    if large:
+        parts.append(f"<p>{view.n} ranks: the exchanges are aggregated by community (community x community "
+                     "counts of the whole run, under the communities of the first round and of the last round "
+                     "with several), as a rank x rank matrix would be unreadable.</p>")
     parts.append(_img(figs.merge_matrix, "merge matrix"))
     if figs.views is not None:
         parts.append("<h3>Agreement of the views</h3><p>Under <code>protocol: async</code> each rank clusters its "
@@ -95,6 +100,10 @@ def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: s
                      "the same wall time (adjusted Rand index, from views.jsonl).</p>")
         parts.append(_img(figs.views, "agreement of the views"))
     parts.append(f"<h3>Dendrograms</h3><p>{_e(note)}.</p>")
+    if large and figs.dendrograms:
+        parts.append(f"<p>{view.n} ranks: each tree is truncated to the communities of its round (one leaf per "
+                     "community, <code>cX (k)</code>: community X of k ranks, colours as in the timeline); ticks "
+                     "on a leaf mark the merges inside it.</p>")
     for r, names in figs.dendrograms:
         models = [row for rec in models_at_round(view, r) for row in community_model_rows(rec)]
         if models:  # side by side: the tree and the accuracies of the community models cut from it
@@ -148,7 +157,11 @@ def write_index(out: Path, views: Sequence[RunView], curves: List[str], sections
     title = "comparison: " + ", ".join(v.label for v in views) if compare else views[0].label
     body = [f"<h1>communities inspect: {_e(title)}</h1>"]
     body.append(f"<p>Generated {_e(generated)}. Virtual time t counts completed units.</p>")
-    body.append("<h2>Curves</h2>" + _img(curves, "curves over t"))
+    body.append("<h2>Curves</h2>")
+    if not compare and views[0].n > LARGE_WORLD:
+        body.append(f"<p>{views[0].n} ranks: the per-rank accuracy and bytes are drawn as quantile bands "
+                    "(5-95 % and 25-75 % of the ranks, and the median) instead of one line per rank.</p>")
+    body.append(_img(curves, "curves over t"))
     if compare:
         body.append("<h2>Summaries</h2>" + _compare_table(views))
     body.extend(sections)

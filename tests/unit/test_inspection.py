@@ -304,7 +304,8 @@ def test_inspect_many_ranks_truncates(tmp_path, n, capsys):
                  "dendrogram_round_0000.png", "dendrogram_round_0001.png"):
         assert _nonempty(rep / name), name
     assert not (rep / "dendrogram_round_0000.svg").exists()  # > 128 leaves: PNG only
-    assert not (rep / "merge_matrix.svg").exists()
+    # The merge matrix of a population is community x community: a few cells, so its SVG stays small.
+    assert (rep / "merge_matrix.svg").stat().st_size < 200_000
     assert f"{n} ranks" in capsys.readouterr().out
 
 
@@ -687,3 +688,105 @@ def test_a_lost_rank_is_named_and_crossed_out_on_the_timeline(small_run, tmp_pat
     files = figures._timeline_figure(view, out, "timeline", svg=True)
     svg = (out / "timeline.svg").read_text()
     assert any(f.endswith(".png") for f in files) and "rank 3 lost at t=10" in svg
+
+
+# --------------------------------------------------------------------------- populations (hundreds of ranks)
+
+
+@pytest.fixture(scope="module")
+def population_run(tmp_path_factory) -> Path:
+    """256 ranks, 4 planted groups, 3 rounds: more ranks than a figure can show one by one."""
+    return make_run(tmp_path_factory.mktemp("runs") / "pop", n_ranks=256, n_rounds=3, groups=4, dim=8, every=1,
+                    seed=6)
+
+
+def _record_dendrograms(monkeypatch) -> List[dict]:
+    """The keyword arguments of every scipy dendrogram call the report makes, with what it returned."""
+    calls: List[dict] = []
+    real = figures.hierarchy.dendrogram
+
+    def spy(Z, **kw):
+        R = real(Z, **kw)
+        calls.append({**kw, "n": len(Z) + 1, "ivl": list(R["ivl"])})
+        return R
+
+    monkeypatch.setattr(figures.hierarchy, "dendrogram", spy)
+    return calls
+
+
+def test_population_report_draws_trees_truncated_to_the_communities(population_run, tmp_path, monkeypatch):
+    calls = _record_dendrograms(monkeypatch)
+    out = tmp_path / "rep"
+    assert main_inspect([str(population_run), "--out", str(out), "--no-svg"]) == 0
+    view = load_view(population_run)
+    assert len(calls) == len(view.infos) == 3
+    for k, call in enumerate(calls):
+        n_comm = int(view.n_comm[k])
+        assert call["truncate_mode"] == "lastp" and call["p"] == max(n_comm, 2)
+        assert len(call["ivl"]) == max(n_comm, 2)  # one leaf per community, labelled with its rank count
+        counts = [int(re.search(r"\((\d+)\)", label).group(1)) for label in call["ivl"]]
+        assert sum(counts) == 256
+        if n_comm > 1:  # the leaves are exactly the communities, named by their timeline ids
+            ids, sizes = np.unique(view.stable[k], return_counts=True)
+            assert sorted(call["ivl"]) == sorted(f"c{c} ({z})" for c, z in zip(ids, sizes))
+    for name in ("curves.png", "timeline.png", "merge_matrix.png", "dendrogram_round_0000.png"):
+        assert _nonempty(out / name), name
+    page = (out / "index.html").read_text()
+    assert "truncated to the communities of its round" in page
+    assert "aggregated by community" in page
+    assert "quantile bands" in page
+
+
+def test_population_merge_matrix_is_aggregated_by_community(population_run):
+    view = load_view(population_run)
+    labels = view.stable[0]
+    ids, B = load.community_merge_counts(view.merge_matrix, labels)
+    assert list(ids) == sorted(set(labels.tolist())) and (B == B.T).all()
+    for a, ca in enumerate(ids):  # brute force: every exchange once, by the communities of its two ranks
+        for b, cb in enumerate(ids):
+            block = view.merge_matrix[np.ix_(labels == ca, labels == cb)].sum()
+            assert B[a, b] == (block // 2 if a == b else block)
+    assert np.triu(B).sum() == view.merge_matrix.sum() // 2
+    assert [k for _, k in figures._community_rounds(view)][0] == 0
+
+
+def test_population_curves_draw_quantile_bands(population_run, small_run):
+    from matplotlib.figure import Figure
+
+    for run, bands in ((population_run, True), (small_run, False)):
+        fig = Figure()
+        panels = figures._CurvePanels(fig, overlay=False)
+        panels.run(load_view(run), None)
+        labels = panels.acc.get_legend_handles_labels()[1]
+        assert ("ranks 25-75 %" in labels) is bands
+        assert any(lab.startswith("each rank") for lab in labels) is not bands
+
+
+def test_small_runs_keep_their_full_trees_and_rank_matrix(small_run, tmp_path, monkeypatch):
+    calls = _record_dendrograms(monkeypatch)
+    out = tmp_path / "rep"
+    assert main_inspect([str(small_run), "--out", str(out), "--no-svg"]) == 0
+    assert calls and all("truncate_mode" not in c and len(c["ivl"]) == 8 for c in calls)
+    page = (out / "index.html").read_text()
+    assert "aggregated by community" not in page and "quantile bands" not in page
+
+
+def test_bulk_jsonl_reads_what_the_line_reader_reads(tmp_path):
+    from communities.results import read_jsonl
+
+    p = tmp_path / "m.jsonl"
+    rows = [{"t": t, "rank": r, "test_acc": None if t % 2 else 0.5} for t in range(3) for r in range(4)]
+    body = "".join(json.dumps(r) + "\n" for r in rows)
+    for text in (body, body + '{"t": 9, "ra', body + '{"t": 9}', body.replace("\n", "\n\n", 1), ""):
+        p.write_text(text)
+        assert load.read_jsonl_bulk(p) == read_jsonl(p)
+    p.write_text(body + "{damaged\n" + body)
+    with pytest.raises(load.ResultsError, match="line 13"):
+        load.read_jsonl_bulk(p)
+    assert load.read_jsonl_bulk(tmp_path / "absent.jsonl") == []
+
+
+def test_member_lists_of_a_population_are_cut_with_their_count():
+    assert load._ranges_plain([0, 1, 2, 5]) == "0-2, 5"
+    text = load._ranges_plain(list(range(0, 512, 2)))
+    assert text.endswith("... (256 ranks)") and text.count(",") == 12
