@@ -32,6 +32,7 @@ leaves such a model on the sequential path.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -72,19 +73,42 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     return None
 
 
-def resolve_vectorize(mode: str, model: nn.Module, replicas_per_process: int) -> bool:
+def resolve_vectorize(mode: str, model: nn.Module, replicas_per_process: int,
+                      sample: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, name: Optional[str] = None) -> bool:
     """Whether to train stacked. ``on`` raises when the model cannot be; ``auto`` is on for >= 2 replicas per
-    process and a model that qualifies without dropout (so that auto stays equal to the sequential path)."""
+    process and a model that qualifies without dropout (so that auto stays equal to the sequential path).
+
+    With ``sample`` (a few training examples and their labels) the model also passes a dry run under
+    ``vmap`` first: ``on`` raises if it fails, ``auto`` falls back to the sequential path.
+    """
     if mode not in MODES:
         raise ConfigError(f"{KEY}={mode!r} is not one of {', '.join(MODES)}")
-    if mode == "off":
+    if mode == "off" or (mode == "auto" and replicas_per_process < 2):
         return False
     reason = unsupported_reason(model)
-    if mode == "on":
-        if reason is not None:
-            raise ConfigError(f"{KEY}=on cannot apply: {reason}")
-        return True
-    return replicas_per_process >= 2 and reason is None and not _has_dropout(model)
+    if mode == "auto" and (reason is not None or _has_dropout(model)):
+        return False
+    if reason is not None:
+        raise ConfigError(f"{KEY}=on cannot apply: {reason}")
+    if sample is not None:
+        try:
+            dry_run(model, sample[0], sample[1], name)
+        except ConfigError:
+            if mode == "on":
+                raise
+            return False
+    return True
+
+
+def dry_run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, name: Optional[str] = None) -> None:
+    """One stacked step of two copies of ``model`` on (x, y), on copies of its weights: ConfigError if it fails."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    cfg = SimpleNamespace(optimizer="sgd", lr=0.0, momentum=0.0, nesterov=False, weight_decay=0.0,
+                          betas=[0.9, 0.999], batch_size=max(len(y), 1), unit="epoch", steps_per_unit=1)
+    trainer = StackedTrainer(model, torch.stack([flat, flat]), cfg, name)
+    mask = torch.ones(2, len(y), dtype=flat.dtype)
+    trainer._dry_run(torch.stack([x, x]), torch.stack([y, y]), mask, mask.sum(1))
 
 
 # --------------------------------------------------------------------------- the stacked trainer
@@ -135,6 +159,7 @@ class StackedTrainer:
         self.step = torch.zeros(R, dtype=torch.float64, device=dev)  # AdamW step count
         self._checked = False
         self._cache: Optional[Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor, List[int]]] = None
+        self._keep: Tuple[List[torch.Tensor], List[torch.Tensor]] = ([], [])
         self._step_fn = self._build_step()
 
     # ------------------------------------------------------------------ the vmapped step
@@ -388,8 +413,6 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
     training set split into R shards). Both paths run side by side in this process,
     after one warm-up unit each, from the same initial weights; returns one dict per R.
     """
-    from types import SimpleNamespace
-
     from . import data, models
 
     torch.set_num_threads(threads)

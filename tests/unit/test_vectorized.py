@@ -190,6 +190,14 @@ def test_a_model_that_fails_under_vmap_is_refused_naming_it():
         trainer.train_unit(xs, ys, [0, 1], 0, 0)
 
 
+def test_the_resolver_dry_runs_a_sample():
+    x, y = torch.randn(4, 10), torch.randint(0, 3, (4,))
+    assert vz.resolve_vectorize("auto", NotVmappable(), 4, sample=(x, y)) is False
+    with pytest.raises(ConfigError, match=r"'mypkg:f' fails under torch\.func\.vmap \(RuntimeError"):
+        vz.resolve_vectorize("on", NotVmappable(), 4, sample=(x, y), name="mypkg:f")
+    assert vz.resolve_vectorize("auto", models.MLP(10, 3, (8,)), 4, sample=(x, y)) is True
+
+
 def test_dropout_is_trained_with_different_masks_but_auto_stays_sequential():
     m = models.MLP(10, 3, (8,), dropout=0.5)
     assert vz.resolve_vectorize("auto", m, 8) is False
