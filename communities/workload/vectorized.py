@@ -161,6 +161,7 @@ class StackedTrainer:
         self._cache: Optional[Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor, List[int]]] = None
         self._keep: Tuple[List[torch.Tensor], List[torch.Tensor]] = ([], [])
         self._step_fn = self._build_step()
+        self._params = self.params()  # views stay bound: every update is in place
 
     # ------------------------------------------------------------------ the vmapped step
 
@@ -238,9 +239,9 @@ class StackedTrainer:
                 if not self._checked:
                     self._dry_run(xb, yb, maskf_k, counts[k])
                 if bool((sizes[k] == b).all()):
-                    grads, (loss, out) = self._step_fn[0](self.params(), xb, yb)
+                    grads, (loss, out) = self._step_fn[0](self._params, xb, yb)
                 else:
-                    grads, (loss, out) = self._step_fn[1](self.params(), xb, yb, maskf_k, counts[k])
+                    grads, (loss, out) = self._step_fn[1](self._params, xb, yb, maskf_k, counts[k])
                 g = torch.cat([grads[n].reshape(R, -1) for n in self.names], dim=1)
                 active = None if bool((sizes[k] > 0).all()) else size_t[k] > 0
                 with torch.no_grad():
@@ -249,12 +250,8 @@ class StackedTrainer:
                     correct += ((out.argmax(-1) == yb) & mask).sum(1)
         seen = sizes.sum(0) if K else np.zeros(R, dtype=np.int64)
         n_steps = (sizes > 0).sum(0) if K else np.zeros(R, dtype=np.int64)
-        results = []
-        for r in range(R):
-            s = max(int(seen[r]), 1)
-            results.append(train.UnitResult(float(total_loss[r]) / s, float(correct[r]) / s, int(seen[r]),
-                                            int(n_steps[r])))
-        return results
+        return [train.UnitResult(lo / max(n, 1), c / max(n, 1), n, k) for lo, c, n, k in
+                zip(total_loss.tolist(), correct.tolist(), seen.tolist(), n_steps.tolist())]
 
     def _optimizer_step(self, g: torch.Tensor, active: Optional[torch.Tensor]) -> None:
         """One step of every active replica, as torch.optim computes it; inactive rows are left untouched."""
