@@ -39,7 +39,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
-from torch.nn import functional as F
 
 from ..errors import ConfigError
 from . import train
@@ -174,13 +173,15 @@ class StackedTrainer:
         """(full, masked): a step on equal batches (the mean, as train.train_unit), and on padded ones."""
         model = self.model
 
+        # cross-entropy as log_softmax and a gather: the same loss as F.cross_entropy, whose nll_loss
+        # decomposes under vmap into several more ops (about 15% of a step on the quickstart MLP)
         def loss_full(params, xb, yb):
             out = functional_call(model, params, (xb,))
-            return F.cross_entropy(out, yb), out
+            return -out.log_softmax(-1).gather(1, yb[:, None]).mean(), out
 
         def loss_masked(params, xb, yb, mask, count):
             out = functional_call(model, params, (xb,))
-            ce = F.cross_entropy(out, yb, reduction="none")
+            ce = -out.log_softmax(-1).gather(1, yb[:, None]).squeeze(1)
             return (ce * mask).sum() / count, out
 
         return (vmap(grad_and_value(loss_full, has_aux=True), randomness=self.randomness),
