@@ -803,9 +803,9 @@ def bench_vectorize(args) -> int:
                                    threads=args.threads, seed=args.seed)
     rows = [[r["replicas"], r["shard_size"], f"{r['sequential_rps']:.1f}", f"{r['vectorized_rps']:.1f}",
              f"{r['speedup']:.1f}x", f"{r['max_abs_diff']:.1e}"] for r in results]
-    print(f"bench vectorize: digits 8x8 -> MLP 64-64-10, batch 32, SGD momentum 0.9, one epoch per unit, "
-          f"{args.threads} thread(s), {args.units} timed units after one warm-up, the two paths interleaved "
-          f"unit by unit; {machine}")
+    print(f"bench vectorize: digits 8x8 (standardized) -> MLP 64-64-10, batch 32, SGD momentum 0.9, "
+          f"one epoch per unit, {args.threads} thread(s), {args.units} timed units after one warm-up, "
+          f"the two paths interleaved unit by unit; {machine}")
     print()
     print(_fmt_table(["replicas", "shard", "sequential r-units/s", "vectorized r-units/s", "speedup",
                       "max |w diff|"], rows))

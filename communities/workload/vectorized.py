@@ -415,6 +415,7 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
 
     torch.set_num_threads(threads)
     ds = data.load_digits(0.25, seed)
+    data.standardize_(ds, ds.x_train.mean(axis=0), ds.x_train.std(axis=0))  # as the engine does (data.standardize)
     cfg = SimpleNamespace(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=False, weight_decay=0.0, betas=[0.9, 0.999],
                           batch_size=batch_size, unit="epoch", steps_per_unit=10)
     x_all, y_all = torch.as_tensor(ds.x_train), torch.as_tensor(ds.y_train)
