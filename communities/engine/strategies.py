@@ -27,7 +27,7 @@ mixer offers it.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Protocol, Type
+from typing import Callable, Dict, List, Optional, Protocol, Type, Union
 
 import numpy as np
 import torch
@@ -143,8 +143,9 @@ class Gossip(Strategy):
     def __init__(self, cfg: Config, n: int):
         super().__init__(cfg, n)
         self.clock = protocol.MergeClock(n, cfg.seed, cfg.merge.lam)
-        self._heights: Optional[np.ndarray] = None
-        self.bias: Optional[partners.Staleness] = None  # per-row factors on the law (partner_policy: least_recent)
+        self._heights: Optional[partners.CopheneticHeights] = None
+        # per-row factors on the law (partner_policy: least_recent; an older checkpoint's (N, N) matrix serves as well)
+        self.bias: Optional[Union[partners.Staleness, np.ndarray]] = None
 
     def prepare(self, mixer: Mixing) -> None:
         if self.cfg.merge.outer.enabled:
@@ -199,8 +200,13 @@ class Gossip(Strategy):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "clock": torch.from_numpy(self.clock.state()),
-                "bias": None if self.bias is None else {"seen_at": torch.from_numpy(self.bias.seen_at.copy()),
-                                                        "t": self.bias.t, "power": self.bias.power}}
+                "bias": self._bias_state()}
+
+    def _bias_state(self):
+        bias = self.bias
+        if bias is None or isinstance(bias, np.ndarray):  # (an older checkpoint's matrix goes on as it came)
+            return None if bias is None else torch.from_numpy(bias.copy())
+        return {"seen_at": torch.from_numpy(bias.seen_at.copy()), "t": bias.t, "power": bias.power}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

@@ -1,4 +1,4 @@
-"""Benchmarks: ``communities bench exchange | signature | clustering | partners | overhead | inspect``.
+"""Benchmarks: ``communities bench exchange | signature | clustering | partners | overhead | inspect | vectorize``.
 
 Each prints a table of measured figures (and writes them with ``--json PATH``).
 Nothing here asserts a speed: targets are printed next to the figures so a
@@ -17,6 +17,9 @@ reader can judge them on their own machine.
   ``--profile`` where the signature rounds spend it.
 - ``inspect``: ``communities inspect`` (``inspection.main_inspect``) on a synthetic
   run directory (``communities.tools.synthetic.make_run``, 64 ranks and 50 rounds by default).
+- ``vectorize``: replica-units per second of a process's replicas trained one after
+  another (``train.train_unit``) against stacked (``workload.vectorized``), side by
+  side, on digits with the quickstart MLP, one thread.
 """
 from __future__ import annotations
 
@@ -904,6 +907,32 @@ def bench_inspect(args) -> int:
     return 0
 
 
+# =========================================================================== vectorize
+
+
+def bench_vectorize(args) -> int:
+    from ..workload import vectorized
+
+    machine = _machine()
+    results = vectorized.benchmark(args.replicas, units=args.units, shard_size=args.shard_size or None,
+                                   threads=args.threads, seed=args.seed)
+    rows = [[r["replicas"], r["shard_size"], f"{r['sequential_rps']:.1f}", f"{r['vectorized_rps']:.1f}",
+             f"{r['speedup']:.1f}x", f"{r['max_abs_diff']:.1e}"] for r in results]
+    print(f"bench vectorize: digits 8x8 (standardized) -> MLP 64-64-10, batch 32, SGD momentum 0.9, "
+          f"one epoch per unit, {args.threads} thread(s), {args.units} timed units after one warm-up, "
+          f"the two paths interleaved unit by unit; {machine}")
+    print()
+    print(_fmt_table(["replicas", "shard", "sequential r-units/s", "vectorized r-units/s", "speedup",
+                      "max |w diff|"], rows))
+    print()
+    print("r-units/s = replica-units per second (replicas x units / seconds). sequential = a loop of "
+          "train.train_unit over the replicas, each with its own torch.optim; vectorized = one "
+          "vectorized.StackedTrainer.train_unit (torch.func vmap). max |w diff| = the largest weight difference "
+          "between the two at the end. Target: speedup >= 8x at 64 replicas (not asserted).")
+    _write_json(args.json, {"bench": "vectorize", "threads": args.threads, "units": args.units, "results": results})
+    return 0
+
+
 # =========================================================================== CLI
 
 
@@ -987,6 +1016,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "directory, removed)")
     p.add_argument("--json", metavar="PATH")
 
+    p = sub.add_parser("vectorize", help="replicas trained one after another vs stacked (torch.func)")
+    p.add_argument("--replicas", type=int, nargs="+", default=[64, 256], help="replicas per process")
+    p.add_argument("--units", type=int, default=3, help="timed units (after one warm-up unit)")
+    p.add_argument("--shard-size", type=int, default=168,
+                   help="training images per replica (168: the quickstart's shard; 0: the set split into R)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+
     p = sub.add_parser("_profile-rank", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     p.add_argument("argv", nargs=argparse.REMAINDER)
@@ -1002,7 +1040,7 @@ def main_bench(argv: Optional[List[str]] = None) -> int:
         args.argv = args.argv[1:]
     handler = {"exchange": bench_exchange, "signature": bench_signature, "_signature-one": _signature_one,
                "clustering": bench_clustering, "partners": bench_partners, "overhead": bench_overhead,
-               "inspect": bench_inspect,
+               "inspect": bench_inspect, "vectorize": bench_vectorize,
                "_profile-rank": _profile_rank}[args.what]
     return handler(args)
 

@@ -1,0 +1,457 @@
+"""Vectorized training: a process trains its replicas as one stacked model (``train.vectorize``).
+
+The R replicas of one process share one architecture, so their weights stack
+into one (R, P) buffer and one ``torch.func.vmap`` of ``grad_and_value`` over
+``functional_call`` trains them all in a single forward and backward per step,
+where the sequential path runs R small ones (the Python and dispatch overhead
+of a small model dominates, not the arithmetic).
+
+What stays exactly as on the sequential path (``train.train_unit``): each
+replica draws its batches from ``train.batches`` with its own rank, so batch
+contents match; the loss is the mean cross-entropy of each replica's batch; the
+unit's loss, accuracy, samples and steps are reported the same way. Replicas
+with different shard sizes take different numbers of batches in epoch mode and
+their last batches are smaller: step k pads every batch to the largest and
+masks the padding out of the loss, and a replica with no k-th batch is not
+updated (its weights and optimizer state stay as they are). The optimizer is
+SGD (momentum, Nesterov, weight decay) or AdamW computed as ``torch.optim``
+computes them, on flat per-replica state, convertible to and from each
+replica's ``torch.optim`` state dict (checkpoints, ``merge.optimizer_state``).
+
+Equal within a tolerance, not bitwise: the batched kernels sum in another order
+(tests pin max abs weight difference <= 1e-5 after a few units).
+
+Refused, with a ``ConfigError`` naming ``train.vectorize``: a model with
+buffers (BatchNorm running statistics would need per-replica stacking), and a
+model whose forward fails under ``vmap`` (found by a dry run on one batch).
+Dropout is supported with ``vmap(randomness="different")``: each replica gets
+its own masks, but from another random stream than the sequential path draws,
+so a model with dropout is equal in distribution only; ``auto`` therefore
+leaves such a model on the sequential path.
+"""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from ..errors import ConfigError
+from . import train
+
+KEY = "train.vectorize"
+MODES = ("off", "on", "auto")
+
+
+# --------------------------------------------------------------------------- eligibility
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+def unsupported_reason(model: nn.Module) -> Optional[str]:
+    """Why ``model`` cannot be trained stacked (None: it can, subject to the dry run)."""
+    buffers = [n for n, _ in model.named_buffers()]
+    if buffers:
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            return (f"{type(model).__name__} has BatchNorm running statistics ({', '.join(buffers[:3])}"
+                    f"{', ...' if len(buffers) > 3 else ''}): buffers cannot be stacked across replicas; "
+                    "use model.batchnorm: false or train.vectorize: off")
+        return (f"{type(model).__name__} has buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''})"
+                ", which cannot be stacked across replicas; use train.vectorize: off")
+    params = list(model.parameters())
+    if not params:
+        return f"{type(model).__name__} has no parameters"
+    if len({p.dtype for p in params}) != 1:
+        return f"{type(model).__name__} mixes parameter dtypes {sorted({str(p.dtype) for p in params})}"
+    return None
+
+
+def resolve_vectorize(mode: str, model: nn.Module, replicas_per_process: int,
+                      sample: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, name: Optional[str] = None) -> bool:
+    """Whether to train stacked. ``on`` raises when the model cannot be; ``auto`` is on for >= 2 replicas per
+    process and a model that qualifies without dropout (so that auto stays equal to the sequential path).
+
+    With ``sample`` (a few training examples and their labels) the model also passes a dry run under
+    ``vmap`` first: ``on`` raises if it fails, ``auto`` falls back to the sequential path.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"{KEY}={mode!r} is not one of {', '.join(MODES)}")
+    if mode == "off" or (mode == "auto" and replicas_per_process < 2):
+        return False
+    reason = unsupported_reason(model)
+    if mode == "auto" and (reason is not None or _has_dropout(model)):
+        return False
+    if reason is not None:
+        raise ConfigError(f"{KEY}=on cannot apply: {reason}")
+    if sample is not None:
+        try:
+            dry_run(model, sample[0], sample[1], name)
+        except ConfigError:
+            if mode == "on":
+                raise
+            return False
+    return True
+
+
+def dry_run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, name: Optional[str] = None) -> None:
+    """One stacked step of two copies of ``model`` on (x, y), on copies of its weights: ConfigError if it fails."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    cfg = SimpleNamespace(optimizer="sgd", lr=0.0, momentum=0.0, nesterov=False, weight_decay=0.0,
+                          betas=[0.9, 0.999], batch_size=max(len(y), 1), unit="epoch", steps_per_unit=1)
+    trainer = StackedTrainer(model, torch.stack([flat, flat]), cfg, name)
+    mask = torch.ones(2, len(y), dtype=flat.dtype)
+    trainer._dry_run(torch.stack([x, x]), torch.stack([y, y]), mask, mask.sum(1))
+
+
+# --------------------------------------------------------------------------- the stacked trainer
+
+
+class StackedTrainer:
+    """Trains R replicas of ``model`` whose weights are the rows of ``flats`` (R, F), in place.
+
+    ``flats[:, :n_params]`` are the parameters in ``model.parameters()`` order, as
+    ``models.flatten_`` lays them out (the rows may be views of the replicas' own
+    flat buffers: a stacked (R, F) tensor whose rows the replicas hold). ``cfg`` is
+    a TrainConfig (optimizer, lr, momentum, nesterov, weight_decay, betas,
+    batch_size, unit, steps_per_unit).
+    """
+
+    def __init__(self, model: nn.Module, flats: torch.Tensor, cfg: Any, name: Optional[str] = None):
+        self.name = name or type(model).__name__
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ConfigError(f"{KEY}: cannot train model {self.name!r} stacked: {reason}")
+        if flats.ndim != 2 or not flats.is_contiguous():
+            raise ConfigError(f"{KEY}: the stacked weights must be one contiguous (replicas, size) tensor, got shape "
+                              f"{tuple(flats.shape)}")
+        self.model, self.flats, self.cfg = model, flats, cfg
+        self.R = flats.shape[0]
+        self.names: List[str] = []
+        self.shapes: List[Tuple[int, ...]] = []
+        self.offsets: List[int] = []
+        off = 0
+        for n, p in model.named_parameters():
+            self.names.append(n)
+            self.shapes.append(tuple(p.shape))
+            self.offsets.append(off)
+            off += p.numel()
+        self.n_params = off
+        if flats.shape[1] < off:
+            raise ConfigError(f"{KEY}: the stacked weights have {flats.shape[1]} columns, the model {off} parameters")
+        if cfg.optimizer not in ("sgd", "adamw"):
+            raise ConfigError(f"train.optimizer={cfg.optimizer!r} is not one of sgd, adamw")
+        # torch.optim's param_groups, for state dicts in its own format
+        self._groups = train.make_optimizer(cfg, [p.detach().clone() for p in model.parameters()]
+                                            ).state_dict()["param_groups"]
+        self.randomness = "different" if _has_dropout(model) else "error"
+        R, P, dt, dev = self.R, self.n_params, flats.dtype, flats.device
+        self.has_state = torch.zeros(R, dtype=torch.bool, device=dev)  # False: torch.optim's empty state
+        self.momentum = torch.zeros(R, P, dtype=dt, device=dev)  # SGD momentum_buffer / AdamW exp_avg
+        self.second = torch.zeros(R, P, dtype=dt, device=dev) if cfg.optimizer == "adamw" else None  # exp_avg_sq
+        self.step = torch.zeros(R, dtype=torch.float64, device=dev)  # AdamW step count
+        self._checked = False
+        self._cache: Optional[Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor, List[int]]] = None
+        self._keep: Tuple[List[torch.Tensor], List[torch.Tensor]] = ([], [])
+        self._step_fn = self._build_step()
+        self._params = self.params()  # views stay bound: every update is in place
+
+    # ------------------------------------------------------------------ the vmapped step
+
+    def params(self) -> Dict[str, torch.Tensor]:
+        """Per-parameter stacked views (R, *shape) of the flat buffer: no copies."""
+        return {n: self.flats[:, o: o + int(np.prod(s, dtype=np.int64))].view(self.R, *s)
+                for n, s, o in zip(self.names, self.shapes, self.offsets)}
+
+    def _build_step(self) -> Tuple[Callable, Callable]:
+        """(full, masked): a step on equal batches (the mean, as train.train_unit), and on padded ones."""
+        model = self.model
+
+        # cross-entropy as log_softmax and a gather: the same loss as F.cross_entropy, whose nll_loss
+        # decomposes under vmap into several more ops (about 15% of a step on the quickstart MLP)
+        def loss_full(params, xb, yb):
+            out = functional_call(model, params, (xb,))
+            return -out.log_softmax(-1).gather(1, yb[:, None]).mean(), out
+
+        def loss_masked(params, xb, yb, mask, count):
+            out = functional_call(model, params, (xb,))
+            ce = -out.log_softmax(-1).gather(1, yb[:, None]).squeeze(1)
+            return (ce * mask).sum() / count, out
+
+        return (vmap(grad_and_value(loss_full, has_aux=True), randomness=self.randomness),
+                vmap(grad_and_value(loss_masked, has_aux=True), randomness=self.randomness))
+
+    def _dry_run(self, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> None:
+        try:
+            with torch.no_grad():
+                params = {k: v.detach().clone() for k, v in self.params().items()}
+            self._step_fn[1](params, xb, yb, mask, count)
+        except Exception as exc:  # the user's forward() under vmap
+            raise ConfigError(f"{KEY}: model {self.name!r} fails under torch.func.vmap ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); use train.vectorize: off") from exc
+        self._checked = True
+
+    # ------------------------------------------------------------------ data
+
+    def _stacked_data(self, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]):
+        """All shards concatenated once (kept while the same tensors come back), with each one's offset."""
+        key = tuple(id(x) for x in xs) + tuple(id(y) for y in ys)
+        if self._cache is None or self._cache[0] != key:
+            offs = [0]
+            for y in ys:
+                offs.append(offs[-1] + len(y))
+            self._cache = (key, torch.cat(list(xs)), torch.cat(list(ys)), offs)
+            self._keep = (list(xs), list(ys))  # ids stay valid while the tensors live
+        return self._cache[1], self._cache[2], self._cache[3]
+
+    # ------------------------------------------------------------------ training
+
+    def train_unit(self, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], ranks: Sequence[int], seed: int,
+                   t: int, steps: Optional[int] = None) -> List[train.UnitResult]:
+        """Train unit t of every replica r on (xs[r], ys[r]) with the batches of rank ranks[r]."""
+        R, cfg = self.R, self.cfg
+        if not (len(xs) == len(ys) == len(ranks) == R):
+            raise ValueError(f"train_unit needs {R} shards and ranks, got {len(xs)}, {len(ys)}, {len(ranks)}")
+        if steps is None and cfg.unit == "steps":
+            steps = cfg.steps_per_unit
+        X, Y, offs = self._stacked_data(xs, ys)
+        dev = self.flats.device
+        plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps)) for r in range(R)]
+        idx, sizes = _index_plan(plans, offs)  # (K, R, B) rows of X, (K, R) batch sizes
+        K, B = idx.shape[0], idx.shape[2]
+        total_loss = torch.zeros(R, dtype=torch.float64, device=dev)
+        correct = torch.zeros(R, dtype=torch.int64, device=dev)
+        if K and B:
+            ix = torch.as_tensor(idx, device=dev)
+            size_t = torch.as_tensor(sizes, device=dev)
+            masks = (torch.arange(B, device=dev)[None, None, :] < size_t[:, :, None])
+            maskf = masks.to(self.flats.dtype)
+            counts = size_t.clamp(min=1).to(self.flats.dtype)
+            for k in range(K):
+                b = int(sizes[k].max())  # this step's largest batch: pad to it, not to B
+                rows, mask, maskf_k = ix[k, :, :b], masks[k, :, :b], maskf[k, :, :b]
+                xb, yb = X[rows], Y[rows]
+                if not self._checked:
+                    self._dry_run(xb, yb, maskf_k, counts[k])
+                if bool((sizes[k] == b).all()):
+                    grads, (loss, out) = self._step_fn[0](self._params, xb, yb)
+                else:
+                    grads, (loss, out) = self._step_fn[1](self._params, xb, yb, maskf_k, counts[k])
+                g = torch.cat([grads[n].reshape(R, -1) for n in self.names], dim=1)
+                active = None if bool((sizes[k] > 0).all()) else size_t[k] > 0
+                with torch.no_grad():
+                    self._optimizer_step(g, active)
+                    total_loss += loss.double() * size_t[k]
+                    correct += ((out.argmax(-1) == yb) & mask).sum(1)
+        seen = sizes.sum(0) if K else np.zeros(R, dtype=np.int64)
+        n_steps = (sizes > 0).sum(0) if K else np.zeros(R, dtype=np.int64)
+        return [train.UnitResult(lo / max(n, 1), c / max(n, 1), n, k) for lo, c, n, k in
+                zip(total_loss.tolist(), correct.tolist(), seen.tolist(), n_steps.tolist())]
+
+    def _optimizer_step(self, g: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+        """One step of every active replica, as torch.optim computes it; inactive rows are left untouched."""
+        cfg, w = self.cfg, self.flats[:, : self.n_params]
+        if cfg.optimizer == "sgd":
+            if cfg.weight_decay != 0:
+                g = g.add(w, alpha=cfg.weight_decay)
+            if cfg.momentum != 0 and active is None and bool(self.has_state.all()):
+                self.momentum.mul_(cfg.momentum).add_(g)
+                g = g.add(self.momentum, alpha=cfg.momentum) if cfg.nesterov else self.momentum
+                w.add_(g, alpha=-cfg.lr)
+                return
+            if cfg.momentum != 0:
+                fresh = ~self.has_state if active is None else (~self.has_state & active)
+                buf = torch.where(fresh[:, None], g, self.momentum * cfg.momentum + g)
+                self._put(self.momentum, buf, active)
+                self._set_has(active)
+                g = g.add(self.momentum, alpha=cfg.momentum) if (cfg.nesterov and cfg.momentum > 0) else self.momentum
+            self._put(w, w - cfg.lr * g, active)
+            return
+        assert self.second is not None
+        beta1, beta2 = (float(b) for b in cfg.betas)
+        eps = float(self._groups[0]["eps"])
+        act = torch.ones(self.R, dtype=torch.bool, device=w.device) if active is None else active
+        self.momentum[~self.has_state] = 0
+        self.second[~self.has_state] = 0
+        self.step[~self.has_state] = 0
+        self.step += act.double()
+        self._set_has(active)
+        step = self.step.clamp(min=1)
+        bc1 = 1 - beta1 ** step
+        bc2_sqrt = (1 - beta2 ** step).sqrt()
+        step_size = (cfg.lr / bc1).to(w.dtype)[:, None]
+        new_w = w * (1 - cfg.lr * cfg.weight_decay) if cfg.weight_decay != 0 else w
+        m = self.momentum.lerp(g, 1 - beta1)
+        v = self.second * beta2 + g * g * (1 - beta2)
+        denom = (v.sqrt() / bc2_sqrt.to(w.dtype)[:, None]).add_(eps)
+        new_w = new_w - step_size * (m / denom)
+        self._put(self.momentum, m, active)
+        self._put(self.second, v, active)
+        self._put(w, new_w, active)
+
+    @staticmethod
+    def _put(dst: torch.Tensor, src: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+        if active is None:
+            dst.copy_(src)
+        else:
+            dst.copy_(torch.where(active[:, None], src, dst))
+
+    def _set_has(self, active: Optional[torch.Tensor]) -> None:
+        if active is None:
+            self.has_state.fill_(True)
+        else:
+            self.has_state |= active
+
+    # ------------------------------------------------------------------ optimizer state
+
+    def reset_state(self, r: Optional[int] = None) -> None:
+        """Forget replica r's optimizer state (all replicas' with None): ``merge.optimizer_state: reset``."""
+        if r is None:
+            self.has_state.fill_(False)
+        else:
+            self.has_state[r] = False
+
+    def state_tensors(self, r: int) -> List[torch.Tensor]:
+        """Replica r's moment rows (views), empty without state: what ``merge.optimizer_state: average`` lerps."""
+        if not bool(self.has_state[r]) or (self.cfg.optimizer == "sgd" and self.cfg.momentum == 0):
+            return []
+        rows = [self.momentum[r]]
+        if self.second is not None:
+            rows.append(self.second[r])
+        return rows
+
+    def optimizer_state_dict(self, r: int) -> Dict[str, Any]:
+        """Replica r's optimizer state as ``torch.optim`` (SGD or AdamW over ``model.parameters()``) saves it."""
+        state: Dict[int, Dict[str, torch.Tensor]] = {}
+        if bool(self.has_state[r]) and not (self.cfg.optimizer == "sgd" and self.cfg.momentum == 0):
+            for i, (s, o) in enumerate(zip(self.shapes, self.offsets)):
+                n = int(np.prod(s, dtype=np.int64))
+                if self.cfg.optimizer == "sgd":
+                    state[i] = {"momentum_buffer": self.momentum[r, o: o + n].view(s).clone()}
+                else:
+                    assert self.second is not None
+                    state[i] = {"step": torch.tensor(float(self.step[r]), dtype=torch.float32),
+                                "exp_avg": self.momentum[r, o: o + n].view(s).clone(),
+                                "exp_avg_sq": self.second[r, o: o + n].view(s).clone()}
+        groups = [dict(g, params=list(range(len(self.names)))) for g in self._groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, r: int, sd: Dict[str, Any]) -> None:
+        """Replica r's state from a ``torch.optim`` state dict (SGD or AdamW over ``model.parameters()``)."""
+        state = sd["state"]
+        if not state:
+            self.has_state[r] = False
+            return
+        key = "momentum_buffer" if self.cfg.optimizer == "sgd" else "exp_avg"
+        for i, o in enumerate(self.offsets):
+            st = state.get(i, state.get(str(i)))
+            if st is None or st.get(key) is None:
+                raise ConfigError(f"{KEY}: the optimizer state has no {key!r} for parameter {self.names[i]}")
+            n = st[key].numel()
+            self.momentum[r, o: o + n].copy_(st[key].reshape(-1))
+            if self.second is not None:
+                self.second[r, o: o + n].copy_(st["exp_avg_sq"].reshape(-1))
+                self.step[r] = float(st["step"])
+        self.has_state[r] = True
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every replica's optimizer state, stacked (a checkpoint of this trainer)."""
+        return {"has_state": self.has_state.clone(), "momentum": self.momentum.clone(), "step": self.step.clone(),
+                "second": None if self.second is None else self.second.clone()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.has_state.copy_(state["has_state"])
+        self.momentum.copy_(state["momentum"])
+        self.step.copy_(state["step"])
+        if self.second is not None:
+            self.second.copy_(state["second"])
+
+
+def _index_plan(plans: List[List[np.ndarray]], offs: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Every replica's batches of the unit as one (K, R, B) array of rows into the concatenated shards.
+
+    K is the most batches any replica takes, B the largest batch; a shorter batch is padded with
+    the replica's first row (masked out of the loss), a missing one has size 0 (no update).
+    """
+    R = len(plans)
+    K = max((len(p) for p in plans), default=0)
+    B = max((len(b) for p in plans for b in p), default=0)
+    idx = np.zeros((K, R, B), dtype=np.int64)
+    sizes = np.zeros((K, R), dtype=np.int64)
+    for r, plan in enumerate(plans):
+        idx[:, r, :] = offs[r]
+        if not plan:
+            continue
+        lens = np.fromiter((len(b) for b in plan), dtype=np.int64, count=len(plan))
+        sizes[: len(plan), r] = lens
+        rows = np.concatenate(plan) + offs[r]
+        first = np.repeat(np.cumsum(lens) - lens, lens)
+        col = np.arange(len(rows)) - first
+        kk = np.repeat(np.arange(len(plan)), lens)
+        idx[kk, r, col] = rows
+    return idx, sizes
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: Optional[int] = 168,
+              hidden: Sequence[int] = (64,), batch_size: int = 32, seed: int = 0,
+              threads: int = 1) -> List[Dict[str, float]]:
+    """Replica-units per second, the sequential loop vs stacked, on digits with the quickstart MLP (SGD momentum).
+
+    Each replica trains one epoch per unit on its own ``shard_size`` training images
+    (168 by default: the quickstart's shard, 1347 images over 8 ranks; None: the
+    training set split into R shards). Both paths run side by side in this process,
+    after one warm-up unit each, from the same initial weights; returns one dict per R.
+    """
+    from . import data, models
+
+    torch.set_num_threads(threads)
+    ds = data.load_digits(0.25, seed)
+    data.standardize_(ds, ds.x_train.mean(axis=0), ds.x_train.std(axis=0))  # as the engine does (data.standardize)
+    cfg = SimpleNamespace(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=False, weight_decay=0.0, betas=[0.9, 0.999],
+                          batch_size=batch_size, unit="epoch", steps_per_unit=10)
+    x_all, y_all = torch.as_tensor(ds.x_train), torch.as_tensor(ds.y_train)
+    n_classes = int(y_all.max()) + 1
+    out = []
+    for R in replicas:
+        if shard_size is None:
+            shards = [torch.as_tensor(s.indices) for s in data.partition(ds.y_train, R, "iid", seed)]
+        else:
+            rng = np.random.default_rng([seed, R])
+            shards = [torch.as_tensor(np.sort(rng.choice(len(y_all), min(shard_size, len(y_all)), replace=False)))
+                      for _ in range(R)]
+        xs, ys = [x_all[s] for s in shards], [y_all[s] for s in shards]
+        torch.manual_seed(seed)
+        template = models.MLP(x_all.shape[1], n_classes, hidden)
+        ms = []
+        for _ in range(R):
+            m = models.MLP(x_all.shape[1], n_classes, hidden)
+            m.load_state_dict(template.state_dict())
+            ms.append(m)
+        opts = [train.make_optimizer(cfg, m.parameters()) for m in ms]
+        flats = torch.stack([torch.cat([p.detach().reshape(-1) for p in template.parameters()])] * R)
+        trainer = StackedTrainer(template, flats, cfg, "mlp")
+        ranks = list(range(R))
+        seq = vec = 0.0
+        for t in range(units + 1):  # unit 0 warms both paths up (and runs the dry run)
+            t0 = time.perf_counter()
+            for r in ranks:
+                train.train_unit(ms[r], opts[r], xs[r], ys[r], cfg, seed, r, t)
+            t1 = time.perf_counter()
+            trainer.train_unit(xs, ys, ranks, seed, t)
+            t2 = time.perf_counter()
+            if t:
+                seq, vec = seq + t1 - t0, vec + t2 - t1
+        ref = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in ms])
+        out.append({"replicas": R, "units": units, "shard_size": int(np.mean([len(y) for y in ys])),
+                    "sequential_rps": R * units / seq, "vectorized_rps": R * units / vec, "speedup": seq / vec,
+                    "max_abs_diff": float((ref - flats).abs().max())})
+    return out
