@@ -4,7 +4,7 @@ The flat buffer *is* the model (``models.flatten_``): an exchange sends it as
 one buffer and a merge is one ``lerp_`` over it. Everything a later unit
 depends on (weights, optimizer moments, torch's RNG for dropout, the example
 table) is in ``state_dict``, so a resumed run continues bit for bit. The data
-(``data``, a frozen ``Placement``) is placed once, before the model is built.
+(``data``, a frozen ``ReplicaData``) is placed once, before the model is built.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..workload import models, train
 from ..workload.data import Dataset, Shard
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
-from .placement import Placement, place
+from .replica_data import ReplicaData, load_replica_data
 from .timer import Timer
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Replica:
     timer: Timer
     faults: NoFaults
     rank: int
-    data: Placement  # what this rank holds of the data (replaced, never changed: ``adopt``)
+    data: ReplicaData  # what this rank holds of the data (replaced, never changed: ``adopt``)
     model: torch.nn.Module
     flat: torch.Tensor  # the model's parameters and buffers, one buffer (models.flatten_)
     n_params: int  # how many leading values of ``flat`` are parameters
@@ -61,7 +61,7 @@ class Replica:
     anchor: Optional[torch.Tensor]  # diloco: the weights all ranks held after the last global step
 
     def __init__(self, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults,
-                 placed: Placement, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
+                 placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
                  tracker: Optional[ExampleTracker]):
         self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
         self.rank, self.data, self.tracker = world.rank, placed, tracker
@@ -75,7 +75,7 @@ class Replica:
     @classmethod
     def build(cls, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults) -> "Replica":
         """Load and place the data, build the model and share rank 0's initial weights."""
-        placed = place(cfg, world, device)
+        placed = load_replica_data(cfg, world, device)
         tracker, model, flat, n_params = on_every_rank(world, lambda: _build_model(cfg, world, device, placed))
         shapes = models.shape_signature(model)
         world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
@@ -270,7 +270,7 @@ class Replica:
             self.tracker.load_state_dict(state["examples"])
 
 
-def _build_model(cfg: "Config", world: World, device: torch.device, placed: Placement
+def _build_model(cfg: "Config", world: World, device: torch.device, placed: ReplicaData
                  ) -> Tuple[Optional[ExampleTracker], torch.nn.Module, torch.Tensor, int]:
     """This rank's example tracker (examples.track), and its model as one flat buffer (not yet shared)."""
     ds = placed.dataset

@@ -180,7 +180,7 @@ def test_replica_holding_gives_its_weights_and_optimizer_back_also_after_an_erro
     assert replica.evaluate(other) != replica.evaluate() and torch.equal(replica.flat, own)
 
 
-def test_placement_adopt_gives_a_new_placement_with_the_lost_shards_appended(world):
+def test_replica_data_adopt_gives_a_new_value_with_the_lost_shards_appended(world):
     _, _, replica = build(world)
     before = replica.data
     n = before.shard.indices.size

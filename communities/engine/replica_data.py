@@ -1,9 +1,10 @@
-"""What data one rank holds: a frozen value, built once by a collective (``place``), replaced (never changed) later.
+"""What data one rank holds: a frozen value, built once by a collective (``load_replica_data``), then only
+replaced (``adopt``), never changed.
 
 Reading, the ranks' fingerprint check, a sharded reader's shard combination and the placement of tensors
 on the device are set-up steps; what they leave (this rank's training shard, the shared test split, its local
 test split, and what every rank holds) does not change during a run, except that a survivor may adopt the
-shards of lost ranks, which gives a new ``Placement`` (``adopt``).
+shards of lost ranks, which gives a new ``ReplicaData`` (``adopt``).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
-class Placement:
+class ReplicaData:
     """This rank's data on the device, and what it knows of every rank's shard."""
 
     dataset: data.Dataset  # (a sharded reader's: this rank's training shard, the shared test split)
@@ -54,8 +55,8 @@ class Placement:
         """The group of every rank: planted (data.partition: label_groups) or declared by a user dataset; else None."""
         return None if self.shard.group is None else [int(s.group) for s in self.shards]  # type: ignore[arg-type]
 
-    def adopt(self, ranks: List[int]) -> "Placement":
-        """comm.lost_shard adopt: this placement with the shards of lost ``ranks`` appended to this rank's own."""
+    def adopt(self, ranks: List[int]) -> "ReplicaData":
+        """comm.lost_shard adopt: this value with the shards of lost ``ranks`` appended to this rank's own."""
         if self.sharded:  # a sharded reader's ranks know only their own shard
             log.warning(f"communities: rank {self.rank} cannot adopt the shards of lost ranks {ranks}: a sharded "
                         "reader's shards are not known here; they are dropped")
@@ -71,7 +72,7 @@ class Placement:
         return dataclasses.replace(self, shard=shard, x=x, y=y)
 
 
-def place(cfg: "Config", world: World, device: torch.device) -> Placement:
+def load_replica_data(cfg: "Config", world: World, device: torch.device) -> ReplicaData:
     """A collective: read the data, check the ranks read the same, partition it and place this rank's part."""
     ds, fp, own_group = on_every_rank(world, lambda: _read(cfg, world))
     test_split = _check_same_data(cfg, world, ds, fp)
@@ -159,7 +160,7 @@ def _combine_shards(cfg: "Config", world: World, ds: data.Dataset, own_group: Op
 
 
 def _place(cfg: "Config", world: World, device: torch.device, ds: data.Dataset, test_split: str,
-           combined: Optional[Tuple[List[data.Shard], np.ndarray, List[List[int]], List[int]]]) -> Placement:
+           combined: Optional[Tuple[List[data.Shard], np.ndarray, List[List[int]], List[int]]]) -> ReplicaData:
     """This rank's shard (the partition's, or a sharded reader's own) as tensors on the device, and its local
     test data (data.local_test_fraction) held out of it."""
     label_counts: Optional[List[List[int]]] = None
@@ -172,7 +173,7 @@ def _place(cfg: "Config", world: World, device: torch.device, ds: data.Dataset, 
         shards, local, label_counts, local_test_sizes = combined
     shard = shards[world.rank]
     idx, local_idx = torch.as_tensor(shard.indices), torch.as_tensor(local)
-    placement = Placement(
+    held = ReplicaData(
         ds, world.rank, shard, shards,
         torch.as_tensor(ds.x_train)[idx].to(device), torch.as_tensor(ds.y_train)[idx].to(device),
         torch.as_tensor(ds.x_test).to(device), torch.as_tensor(ds.y_test).to(device),
@@ -185,4 +186,4 @@ def _place(cfg: "Config", world: World, device: torch.device, ds: data.Dataset, 
     if cfg.signature.kind in ("logits", "cka") and cfg.signature.probe_size > len(ds.y_train):
         raise ConfigError(f"signature.probe_size={cfg.signature.probe_size} exceeds the "
                           f"{len(ds.y_train)} training examples")
-    return placement
+    return held
