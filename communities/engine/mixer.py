@@ -19,10 +19,10 @@ from ..core import merge, partners
 from ..core.partners import Law
 from ..core.protocol import RunningDigest
 from ..results import Event, MergeRow
-from ..runtime.comm import Tag, World
+from ..runtime.comm import World
 from . import strategies
 from .example_tracker import distance_factor
-from .exchange import Header, PairExchange, decide
+from .exchange import Header, PairExchange, Payload, Received, decide, optimizer_moments
 from .replica import Replica
 from .rounds import RoundResult
 from .timer import Timer
@@ -102,13 +102,15 @@ class Mixer:
     def exchange(self, t: int, partner: int, initiator: int, rule_t: Optional[int] = None) -> None:
         """Swap weights with ``partner`` and apply the merge rule on both sides.
 
+        Two round trips: the header, then one payload (``exchange.Payload``: the
+        weights, and the optimizer moments and seen-at table where they travel).
         ``rule_t`` is the unit a scheduled rule (ema) is evaluated at; both sides
         must use the same one (the asynchronous mixer passes the pair's minimum).
         """
         cfg, r = self.cfg, self.replica
         mc = cfg.merge
-        has_state = bool(r.opt.state) if mc.optimizer_state == "average" else False
-        mine = Header(r.samples, r.recent_loss, r.flat.numel(), has_state, r.diverged)
+        moments = optimizer_moments(r.model, r.opt) if mc.optimizer_state == "average" and r.opt.state else []
+        mine = Header(r.samples, r.recent_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
         sent0 = self.world.bytes_sent
         with self.timer("idle"):  # the partner may still be training: this is where we wait for it
             other = self.pair.swap_headers(mine, partner)
@@ -118,17 +120,24 @@ class Mixer:
             probe = self.probe if self.probe is not None and event == Event.MERGE and self.probe.active() else None
             probed = r.flat.clone() if probe is not None else None
             before = r.flat.clone() if r.outer is not None and event == Event.MERGE else None
-            distance = self.pair.swap_weights(r.flat, partner, a,
-                                              outgoing=r.outgoing() if r.faults.hostile else None)
+            # both sides know from the two headers what travels: moments only into a merge both can average
+            payload = Payload(r.flat, outgoing=r.outgoing() if r.faults.hostile else None,
+                              state=moments if event == Event.MERGE and mine.state and other.state else (),
+                              seen_at=self.seen_at if mc.partner_policy == "least_recent" else None)
+            got = self.pair.swap(payload, partner, a)
+            distance = got.distance
             if before is not None:
                 r.outer.step_(before, r.flat)
                 update = float(torch.dist(r.flat, before))
             else:
                 update = a * distance if a else 0.0
             if event == Event.MERGE:
-                self._merge_optimizer_state(partner, a, has_state and other.has_state)
-            if mc.partner_policy == "least_recent":
-                self._swap_seen_at(partner, a)
+                self._merge_optimizer_state(a, moments, got)
+            if got.seen_at is not None:
+                self._swap_seen_at(got.seen_at, a)
+            # Hard examples stay a step of their own (three Sendrecvs, metered as data): each side's count
+            # would fit the header, but the packets' size is the pair's larger count, and the hand-over
+            # (validate, remove, append) belongs to the tracker (example_tracker.py), not to the payload.
             if event == Event.MERGE and r.tracker is not None and cfg.examples.pass_hard:
                 with self.world.metered("data"):
                     r.tracker.exchange(self.world, partner, self._pass_factor(partner))
@@ -141,27 +150,20 @@ class Mixer:
         self._events.append(MergeRow(t, self.rank, partner, initiator, a, update, distance,
                                      self.world.bytes_sent - sent0, int(event)))
 
-    def _merge_optimizer_state(self, partner: int, a: float, both_have_state: bool) -> None:
+    def _merge_optimizer_state(self, a: float, moments: List[torch.Tensor], got: Received) -> None:
+        """reset: clear the moments; average: merge them with the partner's, which came in the payload."""
         r, mode = self.replica, self.cfg.merge.optimizer_state
         if mode == "reset":
             r.opt.state.clear()
-        elif mode == "average" and both_have_state:
-            tensors = [v for p in r.model.parameters() for k, v in sorted(r.opt.state[p].items())
-                       if torch.is_tensor(v) and v.is_floating_point() and v.numel() == p.numel()]
-            if not tensors:
-                return
-            flat = torch.cat([v.reshape(-1) for v in tensors])
-            theirs = torch.empty_like(flat)
-            self.world.sendrecv(flat, theirs, partner, tag=Tag.OPTIMIZER)
-            merge.interpolate_(flat, theirs, a)
+        elif mode == "average" and got.state is not None and got.my_state is not None:
+            merge.interpolate_(got.my_state, got.state, a)
             offset = 0
-            for v in tensors:
-                v.copy_(flat[offset: offset + v.numel()].view_as(v))
+            for v in moments:
+                v.copy_(got.my_state[offset: offset + v.numel()].view_as(v))
                 offset += v.numel()
 
-    def _swap_seen_at(self, partner: int, a: float) -> None:
-        """The record of which shards the model has seen travels with the model."""
-        seen = self.world.sendrecv_array(self.seen_at, partner, tag=Tag.SEEN_AT)
+    def _swap_seen_at(self, seen: np.ndarray, a: float) -> None:
+        """The record of which shards the model has seen travels with the model (in the payload)."""
         if a >= 1.0:
             self.seen_at = seen  # the partner's model is now this rank's
         elif a > 0.0:

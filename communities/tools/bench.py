@@ -6,7 +6,7 @@ reader can judge them on their own machine.
 
 - ``exchange`` (under ``mpiexec -n 2``, or any even number of ranks paired
   0-1, 2-3, ...): the engine's own ``exchange.PairExchange`` (the 40-byte header
-  ``Sendrecv``, then the chunked swap and merge)
+  ``Sendrecv``, then the payload swap and merge)
   against a raw mpi4py ``Sendrecv`` of the same weight bytes, plus its variants.
 - ``signature``: count-sketch and Gaussian signature throughput against
   ``torch.sum`` over the same buffer, peak memory overhead, distance distortion.
@@ -187,12 +187,12 @@ def _exchange_one_size(world, peer: int, size_mb: float, reps: int, warm: int, c
     r["raw"] = clock.timed(lambda: world.comm.Sendrecv(send_np, dest=peer, sendtag=7, recvbuf=recv_np, source=peer,
                                                        recvtag=7), reps, warm)
     pair = exchange.PairExchange(world, n, flat.dtype)  # the engine's own exchange object
-    header = exchange.Header(samples=1000.0, loss=0.5, size=n, has_state=False, diverged=False)
+    header = exchange.Header(samples=1000.0, loss=0.5, size=n, state=0, diverged=False)
 
     def engine():
         """What the mixer runs per exchange: the header Sendrecv, then the chunked swap and merge."""
         pair.swap_headers(header, peer)
-        pair.swap_weights(flat, peer, 0.5)
+        pair.swap(exchange.Payload(flat), peer, 0.5)
 
     r["engine"] = clock.timed(engine, reps, warm)
     r["meta"] = clock.timed(lambda: pair.swap_headers(header, peer), reps, warm)
@@ -248,8 +248,9 @@ def bench_exchange(args) -> int:
               "(it receives as many).")
         print("The flat buffer IS the model: the engine exchange has no flatten/unflatten step. "
               "engine = the mixer's exchange.PairExchange: a header Sendrecv of 5 float64 (40 bytes: samples, "
-              "loss, size, optimizer state, diverged), then swap_weights: a Sendrecv per 1 MiB "
-              "chunk into a chunk-sized buffer, then distance and lerp_ fused while the chunk is in cache.")
+              "loss, size, optimizer state, diverged), then swap: the payload in one Sendrecv up to "
+              "64 MiB (engine.exchange.WHOLE_MAX_BYTES, into a buffer kept between exchanges), above it one per "
+              "1 MiB chunk into a chunk-sized buffer; distance and lerp_ fused per 1 MiB block.")
         print(f"check (a=0.5, both ranks end at the pair mean, equal to merge.interpolate_): "
               f"{'ok' if ok else 'FAILED'} {json.dumps(checks)}")
         print()
