@@ -135,9 +135,10 @@ class Mixer:
                 self._merge_optimizer_state(a, moments, got)
             if got.seen_at is not None:
                 self._swap_seen_at(got.seen_at, a)
-            # Hard examples stay a step of their own (three Sendrecvs, metered as data): each side's count
-            # would fit the header, but the packets' size is the pair's larger count, and the hand-over
-            # (validate, remove, append) belongs to the tracker (example_tracker.py), not to the payload.
+            # Hard examples stay a step of their own (a count, then two packets; metered as data, not as
+            # bytes_sent). Their size could be told by the header (each side's count; the packets hold the
+            # larger), but only by widening it, and the header's 40 bytes count as training traffic in every run;
+            # the hand-over (validate, remove, append) is the tracker's (example_tracker.py).
             if event == Event.MERGE and r.tracker is not None and cfg.examples.pass_hard:
                 with self.world.metered("data"):
                     r.tracker.exchange(self.world, partner, self._pass_factor(partner))

@@ -196,8 +196,7 @@ def _exchange_one_size(world, peer: int, size_mb: float, reps: int, warm: int, c
 
     r["engine"] = clock.timed(engine, reps, warm)
     r["meta"] = clock.timed(lambda: pair.swap_headers(header, peer), reps, warm)
-    r["engine_nodist"] = clock.timed(lambda: exchange.swap_and_merge_chunked(world, flat, peer, 0.5, pair.buffers,
-                                                                             distance=False), reps, warm)
+    r["engine_nodist"] = clock.timed(lambda: pair.swap(exchange.Payload(flat), peer, 0.5, distance=False), reps, warm)
     r["whole"] = clock.timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5), reps, warm)
     # the local pieces of the engine exchange, each rank alone (no communication)
     other = torch.randn(n, generator=g)
@@ -260,7 +259,7 @@ def bench_exchange(args) -> int:
              "torch.dist ms", "lerp_ ms", "meta Sendrecv ms"], rows))
         print()
         print("ratio = raw time / variant time (target >= 0.8 at 16 MB and above). engine dist=False = the "
-              "chunked exchange without the update-norm distance; whole-buffer = exchange.swap_and_merge "
+              "payload swap without the update-norm distance; whole-buffer = exchange.swap_and_merge "
               "(one Sendrecv of the whole buffer, then torch.dist and lerp_; the path device tensors take); "
               "neither with the metadata Sendrecv. torch.dist and lerp_ are each rank alone, no communication; "
               "meta Sendrecv = the 40-byte header swap alone, included in engine.")
