@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from ..core.rendezvous import SIGNATURES_ONLY, Exchange, Kind, Message, Outcome,
 from ..errors import StopReason
 from ..results import Event, MergeRow
 from ..runtime.comm import Tag, World
+from . import strategies
 from .mixer import Mixer
 from .replica import Replica
 from .timer import Timer
@@ -58,12 +59,13 @@ class AsyncMixer(Mixer):
         self.stop_received = False
         self._stop_sent = False
         self._own_end: Optional[Tuple[str, int]] = None  # how this rank's latest request ended
-        self._barrier = None  # the Ibarrier of the done phase, once posted
+        self._barrier: Optional[Any] = None  # the Ibarrier of the done phase, once posted
 
     # ------------------------------------------------------------------ what the loop asks
 
     @property
-    def between_batches(self):
+    def between_batches(self) -> Optional[Callable[[], None]]:
+        """Serve requests after every batch."""
         return self.serve
 
     def _step(self, t: int) -> None:
@@ -89,8 +91,8 @@ class AsyncMixer(Mixer):
     def drain(self) -> None:
         """Serve until every rank is done (a polled Ibarrier), then read what is still addressed to this rank."""
         if self._barrier is None:
-            self._barrier = self.world.ibarrier()
-            self._wait(lambda: self._barrier.Test(), "Ibarrier: every rank done")
+            barrier = self._barrier = self.world.ibarrier()
+            self._wait(lambda: barrier.Test(), "Ibarrier: every rank done")
         expected = self.world.alltoall_counts(self.sent_to)
         for src in np.flatnonzero(self.got_from < expected):
             for _ in range(int(expected[src] - self.got_from[src])):
@@ -174,7 +176,9 @@ class AsyncMixer(Mixer):
     def _draw(self, t: int, tried: np.ndarray) -> Tuple[Optional[int], int]:
         """This rank's partner at t (not a tried or unavailable one: outliers, lost ranks), and the request's flags."""
         excluded = self.unavailable | tried
-        plan = self.strategy.exchanges(t, np.array([self.rank]), excluded)
+        strategy = self.strategy
+        assert isinstance(strategy, strategies.Gossip)  # (protocol async runs the pairwise strategies: config.py)
+        plan = strategy.exchanges(t, np.array([self.rank]), excluded)
         if plan:
             return plan[0][1], 0
         if self.strategy.law(t) is not None:

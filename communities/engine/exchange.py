@@ -1,17 +1,24 @@
-"""How two partners combine their weights: swap headers, then the weights, merged by the rule.
+"""How two partners combine their weights: swap headers, then one payload, merged by the rule.
 
 ``PairExchange`` is what the engine's mixers run for every pairwise exchange,
-and what ``communities bench exchange`` times: a header Sendrecv (so both sides
-decide the same way what to do with the weights that follow), then the weights
-in cache-sized chunks with the distance and the merge fused
-(``swap_and_merge_chunked``: bitwise the merged weights of one whole-buffer
-``lerp_``, no P-sized temporary or receive buffer).
+and what ``communities bench exchange`` times: at most two round trips. First a
+header Sendrecv (so both sides decide the same way what to do with what
+follows, and know the size of everything that follows); then one ``Payload``:
+the weights, and whatever else the merge needs (optimizer moments under
+``merge.optimizer_state: average``, the seen-at table under
+``merge.partner_policy: least_recent``), laid out identically on both sides in
+one contiguous buffer and moved by one Sendrecv. Only a payload above
+``WHOLE_MAX_BYTES`` is cut, for memory: its weights go in cache-sized chunks
+with the distance and the merge fused (``swap_and_merge_chunked``), the rest in
+one more Sendrecv. Either way the merged weights are bitwise those of one
+whole-buffer ``lerp_``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from functools import reduce
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -22,9 +29,10 @@ from ..runtime.comm import Tag, World
 
 
 def swap_and_merge(world: World, flat: torch.Tensor, recv: torch.Tensor, peer: int, a: float, tag: int = Tag.WEIGHTS,
-                   distance: bool = True) -> float:
-    """Exchange ``flat`` with ``peer`` into ``recv`` and merge in place; returns ||w_mine - w_peer|| (or nan)."""
-    world.sendrecv(flat, recv, peer, tag=tag)
+                   distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
+    """Exchange ``flat`` (or ``send`` in its place) with ``peer`` into ``recv`` and merge in place; returns
+    ||w_mine - w_peer|| (or nan)."""
+    world.sendrecv(flat if send is None else send, recv, peer, tag=tag)
     d = float(torch.dist(flat, recv)) if distance else float("nan")
     merge.interpolate_(flat, recv, a)
     return d
@@ -83,7 +91,7 @@ class ChunkBuffers:
 
 
 def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers,
-                           tag: int = Tag.WEIGHTS, distance: bool = True) -> float:
+                           tag: int = Tag.WEIGHTS, distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
     """``swap_and_merge`` one 1 MiB chunk at a time: Sendrecv a chunk, merge it while it is in cache.
 
     A whole-buffer Sendrecv followed by a merge streams the weights through
@@ -94,16 +102,39 @@ def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float
     bit for bit, as ``interpolate_`` on the whole buffer; the distance is summed
     in float64 over chunks (see ``merge_with_distance_``). Device tensors, and
     anything not a flat float vector, take the whole-buffer path of
-    ``swap_and_merge`` with a temporary receive buffer.
+    ``swap_and_merge`` with a temporary receive buffer. ``send`` replaces what
+    is sent (chunk by chunk too).
     """
-    if flat.device.type != "cpu" or flat.dim() != 1 or flat.dtype != buffers.recv.dtype:
-        return swap_and_merge(world, flat, torch.empty_like(flat), peer, a, tag=tag, distance=distance)
+    send = flat if send is None else send
+    if (flat.device.type != "cpu" or flat.dim() != 1 or flat.dtype != buffers.recv.dtype
+            or send.shape != flat.shape or send.dtype != flat.dtype):
+        return swap_and_merge(world, flat, torch.empty_like(flat), peer, a, tag=tag, distance=distance, send=send)
     n, chunk = flat.numel(), buffers.chunk
     total = 0.0
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         f, r = flat[lo:hi], buffers.recv[: hi - lo]
-        world.sendrecv(f, r, peer, tag=tag)
+        world.sendrecv(send[lo:hi], r, peer, tag=tag)
+        if distance:
+            total += merge_with_distance_(f, r, a, block=chunk, scratch=buffers.diff) ** 2
+        else:
+            merge.interpolate_(f, r, a)
+    return math.sqrt(total) if distance else float("nan")
+
+
+def merge_chunks_(flat: torch.Tensor, theirs: torch.Tensor, a: float, buffers: ChunkBuffers,
+                  distance: bool = True) -> float:
+    """The merge of ``swap_and_merge_chunked`` on a buffer received whole: chunk by chunk, the same calls.
+
+    So the merged weights and the distance (its per-chunk norms, squared and
+    summed in float64) have the same bits whether the weights came in one
+    message or chunk by chunk.
+    """
+    n, chunk = flat.numel(), buffers.chunk
+    total = 0.0
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        f, r = flat[lo:hi], theirs[lo:hi]
         if distance:
             total += merge_with_distance_(f, r, a, block=chunk, scratch=buffers.diff) ** 2
         else:
@@ -113,21 +144,21 @@ def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float
 
 @dataclass(frozen=True)
 class Header:
-    """What partners swap before their weights (five float64 numbers, no pickle)."""
+    """What partners swap before the payload (five float64 numbers, no pickle): all that sizes it."""
 
     samples: float  # examples trained on so far (merge.rule: clock)
     loss: float  # the last unit's training loss (merge.rule: loss)
     size: int  # weights held: partners must hold the same model
-    has_state: bool  # holds optimizer moments to average (merge.optimizer_state: average)
+    state: int  # optimizer-moment elements offered for averaging (merge.optimizer_state: average; 0: none)
     diverged: bool  # never merge a diverged rank into a partner
 
     def to_array(self) -> np.ndarray:
-        return np.array([self.samples, self.loss, float(self.size), float(self.has_state), float(self.diverged)],
+        return np.array([self.samples, self.loss, float(self.size), float(self.state), float(self.diverged)],
                         dtype=np.float64)
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> "Header":
-        return cls(float(a[0]), float(a[1]), int(a[2]), bool(a[3] > 0), bool(a[4]))
+        return cls(float(a[0]), float(a[1]), int(a[2]), max(0, int(a[3])), bool(a[4]))
 
 
 def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int) -> Tuple[float, Event]:
@@ -149,12 +180,141 @@ def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int)
     return a, Event.MERGE
 
 
-class PairExchange:
-    """One rank's end of pairwise exchanges: the header swap and the chunked weight swap with merge."""
+# A payload up to this many bytes travels in one Sendrecv, into a receive buffer kept between exchanges (and,
+# when more than the weights travel, from a send buffer kept likewise): at most 2 x 64 MiB held. Above it the
+# weights go chunk by chunk (``swap_and_merge_chunked``): no payload-sized buffer, at the price of a message
+# per MiB, which on a network is a latency each.
+WHOLE_MAX_BYTES = 64 << 20
 
-    def __init__(self, world: World, numel: int, dtype: torch.dtype):
-        self.world, self.numel = world, int(numel)
+
+def optimizer_moments(model: torch.nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The optimizer state averaged by ``merge.optimizer_state: average``: every floating tensor of a parameter's
+    state with the parameter's size (momentum, Adam's moments; not ``step``), in parameter then key order."""
+    return [v for p in model.parameters() for k, v in sorted(opt.state[p].items())
+            if torch.is_tensor(v) and v.is_floating_point() and v.numel() == p.numel()]
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of a payload: its place in the payload's bytes, its dtype and element count."""
+
+    name: str
+    dtype: torch.dtype
+    numel: int
+    offset: int  # bytes from the payload's start
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _typed(buf: torch.Tensor, sec: Section, base: int = 0) -> torch.Tensor:
+    """``sec`` of the byte buffer ``buf`` (which starts at payload byte ``base``) as a typed vector: a view where
+    its offset allows one, else a copy (sections are packed without padding, so as many bytes travel as before)."""
+    raw = buf[sec.offset - base: sec.end - base]
+    if (sec.offset - base) % _itemsize(sec.dtype):
+        raw = raw.clone()
+    return raw.view(sec.dtype)
+
+
+@dataclass
+class Received:
+    """What a payload swap leaves besides the merged weights: the partner's parts, this side's packed beside."""
+
+    distance: float  # ||w_mine - w_peer|| before the merge (nan when not asked)
+    state: Optional[torch.Tensor] = None  # the partner's optimizer moments, flat
+    my_state: Optional[torch.Tensor] = None  # this side's, packed the same way (merge in place, then unpack)
+    seen_at: Optional[np.ndarray] = None  # the partner's seen-at table
+
+
+class Payload:
+    """One side's bytes after the header: the weights, then the optimizer moments and the seen-at table if they
+    travel, packed back to back with no padding.
+
+    Both sides build it from what both headers said (the model's size, the
+    moments' size, the world size), so its ``sections`` are the same on both:
+    one contiguous send buffer and one receive buffer of the same layout, one
+    Sendrecv. Nothing received is unpickled; each part is read back as the
+    dtype and size this side expects.
+    """
+
+    def __init__(self, weights: torch.Tensor, outgoing: Optional[torch.Tensor] = None,
+                 state: Sequence[torch.Tensor] = (), seen_at: Optional[np.ndarray] = None):
+        if outgoing is not None and (outgoing.shape != weights.shape or outgoing.dtype != weights.dtype):
+            raise ValueError("outgoing must have the weights' shape and dtype")
+        self.weights = weights  # merged in place
+        self.outgoing = weights if outgoing is None else outgoing  # what is sent for them (a Byzantine lie)
+        self.state = list(state)
+        self.seen_at = None if seen_at is None else np.ascontiguousarray(seen_at, dtype=np.int64)
+        parts: List[Tuple[str, torch.dtype, int]] = [("weights", weights.dtype, weights.numel())]
+        if self.state:
+            parts.append(("state", reduce(torch.promote_types, [v.dtype for v in self.state]),
+                          sum(v.numel() for v in self.state)))
+        if self.seen_at is not None:
+            parts.append(("seen_at", torch.int64, self.seen_at.size))
+        self.sections: Dict[str, Section] = {}
+        offset = 0
+        for name, dtype, numel in parts:
+            self.sections[name] = Section(name, dtype, int(numel), offset)
+            offset = self.sections[name].end
+        self.nbytes = offset
+
+    @property
+    def lies(self) -> bool:
+        return self.outgoing is not self.weights
+
+    @property
+    def extras(self) -> int:
+        """Bytes after the weights."""
+        return self.nbytes - self.sections["weights"].nbytes
+
+    def pack_extras(self, buf: torch.Tensor, base: int) -> None:
+        """Write the parts after the weights into ``buf`` (a byte buffer starting at payload byte ``base``)."""
+        sec = self.sections.get("state")
+        if sec is not None:
+            dst = buf[sec.offset - base: sec.end - base]
+            if (sec.offset - base) % _itemsize(sec.dtype) == 0:
+                typed, offset = dst.view(sec.dtype), 0
+                for v in self.state:
+                    typed[offset: offset + v.numel()].copy_(v.reshape(-1))
+                    offset += v.numel()
+            else:
+                dst.copy_(_bytes(torch.cat([v.reshape(-1).to(sec.dtype) for v in self.state])))
+        sec = self.sections.get("seen_at")
+        if sec is not None and self.seen_at is not None:
+            buf[sec.offset - base: sec.end - base].copy_(torch.from_numpy(self.seen_at.view(np.uint8)))
+
+    def unpack(self, send: torch.Tensor, recv: torch.Tensor, base: int, distance: float) -> Received:
+        """The partner's parts from ``recv`` (and this side's moments from ``send``), both starting at ``base``."""
+        got = Received(distance)
+        sec = self.sections.get("state")
+        if sec is not None:
+            got.state, got.my_state = _typed(recv, sec, base), _typed(send, sec, base)
+        sec = self.sections.get("seen_at")
+        if sec is not None:
+            got.seen_at = recv[sec.offset - base: sec.end - base].cpu().numpy().view(np.int64).copy()
+        return got
+
+
+class PairExchange:
+    """One rank's end of pairwise exchanges: the header swap, then the payload swap with the weights' merge."""
+
+    def __init__(self, world: World, numel: int, dtype: torch.dtype, whole_max: int = WHOLE_MAX_BYTES):
+        self.world, self.numel, self.whole_max = world, int(numel), int(whole_max)
         self.buffers = ChunkBuffers(numel, dtype)
+        self._held: Dict[str, torch.Tensor] = {}  # the whole-payload send and receive buffers, kept
 
     def swap_headers(self, mine: Header, partner: int) -> Header:
         """Blocking: returns the partner's header (this is where a rank waits for a partner still training)."""
@@ -162,19 +322,48 @@ class PairExchange:
         if other.size != mine.size:
             raise RuntimeError(f"rank {self.world.rank} holds {mine.size} weights but partner rank {partner} "
                                f"holds {other.size}: the models differ")
+        if mine.state and other.state and other.state != mine.state:
+            raise RuntimeError(f"rank {self.world.rank} holds {mine.state} optimizer-moment elements but partner "
+                               f"rank {partner} holds {other.state}: the optimizers differ")
         return other
 
-    def swap_weights(self, flat: torch.Tensor, partner: int, a: float,
-                     outgoing: Optional[torch.Tensor] = None) -> float:
-        """Swap and merge in place (``flat <- (1-a) flat + a theirs``); returns ||flat - theirs|| before.
+    def swap(self, payload: Payload, partner: int, a: float, distance: bool = True) -> Received:
+        """Swap payloads with ``partner`` and merge the weights in place (``w <- (1-a) w + a theirs``).
 
-        ``outgoing`` replaces what is sent (a simulated Byzantine rank's lie): the
-        whole-buffer path then runs, since the chunked one sends ``flat`` itself.
+        One Sendrecv up to ``whole_max`` bytes (device tensors always); above, the
+        weights chunk by chunk fused with the merge, then the rest in one more.
         """
-        if outgoing is None:
-            return swap_and_merge_chunked(self.world, flat, partner, a, self.buffers)
-        recv = torch.empty_like(flat)
-        self.world.sendrecv(outgoing, recv, partner, tag=Tag.WEIGHTS)
-        distance = float(torch.dist(flat, recv))
-        merge.interpolate_(flat, recv, a)
-        return distance
+        w = payload.sections["weights"]
+        flat = payload.weights
+        if payload.nbytes > self.whole_max and flat.device.type == "cpu":
+            d = swap_and_merge_chunked(self.world, flat, partner, a, self.buffers, distance=distance,
+                                       send=payload.outgoing)
+            if not payload.extras:
+                return Received(d)
+            send = torch.empty(payload.extras, dtype=torch.uint8)
+            recv = torch.empty_like(send)
+            payload.pack_extras(send, base=w.end)
+            self.world.sendrecv(send, recv, partner, tag=Tag.WEIGHTS)
+            return payload.unpack(send, recv, w.end, d)
+        recv = self._buffer("recv", payload.nbytes, flat.device)
+        if payload.extras:
+            send = self._buffer("send", payload.nbytes, flat.device)
+            send[: w.end].copy_(_bytes(payload.outgoing))
+            payload.pack_extras(send, base=0)
+        else:
+            send = _bytes(payload.outgoing)  # the weights alone: sent from where they lie
+        self.world.sendrecv(send, recv, partner, tag=Tag.WEIGHTS)
+        theirs = _typed(recv, w)
+        if payload.lies or flat.device.type != "cpu" or flat.dim() != 1:
+            d = float(torch.dist(flat, theirs)) if distance else float("nan")
+            merge.interpolate_(flat, theirs, a)
+        else:
+            d = merge_chunks_(flat, theirs, a, self.buffers, distance)
+        return payload.unpack(send, recv, 0, d)
+
+    def _buffer(self, slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._held.get(slot)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._held[slot] = buf
+        return buf[:nbytes]

@@ -12,7 +12,7 @@ the run log and the consensus.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Protocol
 
 import numpy as np
 import torch
@@ -23,14 +23,22 @@ from ..core.partners import Law
 from ..core.protocol import RunningDigest
 from ..errors import StopReason
 from ..results import Event, MergeRow
-from ..runtime.comm import Tag, World
+from ..runtime.comm import World
 from ..workload import models
 from . import strategies
 from .example_tracker import distance_factor
-from .exchange import Header, PairExchange, decide
+from .exchange import Header, PairExchange, Payload, Received, decide, optimizer_moments
 from .replica import Replica
 from .rounds import RoundResult
 from .timer import Timer
+
+
+class MergeScorer(Protocol):
+    """What scores merges as they happen (consensus.mode auto: ``community_mode.MergeProbe``)."""
+
+    def active(self) -> bool: ...
+
+    def merged(self, partner: int, before: torch.Tensor, a: float) -> None: ...
 
 
 class Mixer:
@@ -44,7 +52,8 @@ class Mixer:
         # merge.partner_policy=least_recent: the last unit the model now here trained on each rank's shard
         self.seen_at = np.full(self.n, -1, dtype=np.int64)
         self.excluded = np.zeros(self.n, dtype=bool)  # robust outliers of the latest round: no exchanges
-        self.probe = None  # consensus.mode auto: scores each merge on the local validation data (community_mode.py)
+        # consensus.mode auto: scores each merge on the local validation data (community_mode.py)
+        self.probe: Optional[MergeScorer] = None
         self._events: List[MergeRow] = []
         self.grad_sync: Optional[Callable[[], None]] = None  # called between backward and the optimizer step
         self.unit_steps: Optional[int] = None  # fixed steps per unit (every rank must take as many)
@@ -67,7 +76,10 @@ class Mixer:
         """A merge event of this unit's step (the strategies' own: ifca), returned by ``mix``."""
         self._events.append(row)
 
-    between_batches = None  # the virtual clock mixes only between units
+    @property
+    def between_batches(self) -> Optional[Callable[[], None]]:
+        """What runs after every batch: nothing here, the virtual clock mixes only between units."""
+        return None
 
     def observe(self, rnd: RoundResult) -> None:
         """A new signature round: its communities set the partner law, its outliers are left out."""
@@ -109,13 +121,15 @@ class Mixer:
     def exchange(self, t: int, partner: int, initiator: int, rule_t: Optional[int] = None) -> None:
         """Swap weights with ``partner`` and apply the merge rule on both sides.
 
+        Two round trips: the header, then one payload (``exchange.Payload``: the
+        weights, and the optimizer moments and seen-at table where they travel).
         ``rule_t`` is the unit a scheduled rule (ema) is evaluated at; both sides
         must use the same one (the asynchronous mixer passes the pair's minimum).
         """
         cfg, r = self.cfg, self.replica
         mc = cfg.merge
-        has_state = bool(r.opt.state) if mc.optimizer_state == "average" else False
-        mine = Header(r.samples, r.recent_loss, r.flat.numel(), has_state, r.diverged)
+        moments = optimizer_moments(r.model, r.opt) if mc.optimizer_state == "average" and r.opt.state else []
+        mine = Header(r.samples, r.recent_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
         sent0 = self.world.bytes_sent
         with self.timer("idle"):  # the partner may still be training: this is where we wait for it
             other = self.pair.swap_headers(mine, partner)
@@ -124,51 +138,53 @@ class Mixer:
             a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t)
             probe = self.probe if self.probe is not None and event == Event.MERGE and self.probe.active() else None
             probed = r.flat.clone() if probe is not None else None
-            before = r.flat.clone() if r.outer is not None and event == Event.MERGE else None
-            distance = self.pair.swap_weights(r.flat, partner, a,
-                                              outgoing=r.outgoing() if r.faults.hostile else None)
-            if before is not None:
-                r.outer.step_(before, r.flat)
+            outer = r.outer if event == Event.MERGE else None
+            before = r.flat.clone() if outer is not None else None
+            # both sides know from the two headers what travels: moments only into a merge both can average
+            payload = Payload(r.flat, outgoing=r.outgoing() if r.faults.hostile else None,
+                              state=moments if event == Event.MERGE and mine.state and other.state else (),
+                              seen_at=self.seen_at if mc.partner_policy == "least_recent" else None)
+            got = self.pair.swap(payload, partner, a)
+            distance = got.distance
+            if outer is not None and before is not None:
+                outer.step_(before, r.flat)
                 update = float(torch.dist(r.flat, before))
             else:
                 update = a * distance if a else 0.0
             if event == Event.MERGE:
-                self._merge_optimizer_state(partner, a, has_state and other.has_state)
-            if mc.partner_policy == "least_recent":
-                self._swap_seen_at(partner, a)
+                self._merge_optimizer_state(a, moments, got)
+            if got.seen_at is not None:
+                self._swap_seen_at(got.seen_at, a)
+            # Hard examples stay a step of their own (a count, then two packets; metered as data, not as
+            # bytes_sent). Their size could be told by the header (each side's count; the packets hold the
+            # larger), but only by widening it, and the header's 40 bytes count as training traffic in every run;
+            # the hand-over (validate, remove, append) is the tracker's (example_tracker.py).
             if event == Event.MERGE and r.tracker is not None and cfg.examples.pass_hard:
                 with self.world.metered("data"):
                     r.tracker.exchange(self.world, partner, self._pass_factor(partner))
             if event == Event.RESET:
                 r.opt.state.clear()  # moments of a diverged model are as bad as its weights
                 r.diverged = False
-            if probe is not None:
+            if probe is not None and probed is not None:
                 with self.timer("eval"):
                     probe.merged(partner, probed, a)
-        self._events.append(MergeRow(t, self.rank, partner, initiator, a, update, distance,
-                                     self.world.bytes_sent - sent0, int(event)))
+        self.record(MergeRow.pairwise(t, self.rank, partner, initiator, a, update, distance,
+                                      self.world.bytes_sent - sent0, event))
 
-    def _merge_optimizer_state(self, partner: int, a: float, both_have_state: bool) -> None:
+    def _merge_optimizer_state(self, a: float, moments: List[torch.Tensor], got: Received) -> None:
+        """reset: clear the moments; average: merge them with the partner's, which came in the payload."""
         r, mode = self.replica, self.cfg.merge.optimizer_state
         if mode == "reset":
             r.opt.state.clear()
-        elif mode == "average" and both_have_state:
-            tensors = [v for p in r.model.parameters() for k, v in sorted(r.opt.state[p].items())
-                       if torch.is_tensor(v) and v.is_floating_point() and v.numel() == p.numel()]
-            if not tensors:
-                return
-            flat = torch.cat([v.reshape(-1) for v in tensors])
-            theirs = torch.empty_like(flat)
-            self.world.sendrecv(flat, theirs, partner, tag=Tag.OPTIMIZER)
-            merge.interpolate_(flat, theirs, a)
+        elif mode == "average" and got.state is not None and got.my_state is not None:
+            merge.interpolate_(got.my_state, got.state, a)
             offset = 0
-            for v in tensors:
-                v.copy_(flat[offset: offset + v.numel()].view_as(v))
+            for v in moments:
+                v.copy_(got.my_state[offset: offset + v.numel()].view_as(v))
                 offset += v.numel()
 
-    def _swap_seen_at(self, partner: int, a: float) -> None:
-        """The record of which shards the model has seen travels with the model."""
-        seen = self.world.sendrecv_array(self.seen_at, partner, tag=Tag.SEEN_AT)
+    def _swap_seen_at(self, seen: np.ndarray, a: float) -> None:
+        """The record of which shards the model has seen travels with the model (in the payload)."""
         if a >= 1.0:
             self.seen_at = seen  # the partner's model is now this rank's
         elif a > 0.0:

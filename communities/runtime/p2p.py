@@ -21,12 +21,10 @@ class Tag(IntEnum):
     """Point-to-point message tags: one per kind of message, so no two can be confused."""
 
     HEADER = 1  # the exchange header (merge metadata) partners swap before the weights
-    WEIGHTS = 2  # the flat weights, one chunk at a time
-    OPTIMIZER = 3  # optimizer moments (merge.optimizer_state: average)
+    WEIGHTS = 2  # the payload after the header: weights, optimizer moments, seen-at table (engine/exchange.py)
     EXAMPLE_COUNT = 5  # hard-example passing: how many examples each side sends
     EXAMPLE_FLOATS = 6  # ... their features and confidences
     EXAMPLE_INTS = 7  # ... their labels, ids, states and visited sets
-    SEEN_AT = 8  # merge.partner_policy least_recent: the record of when the model saw each shard
     CONTROL = 9  # protocol async: pairing messages (kind, request id, unit, flags) and stop notices
     SIG_VERSIONS = 10  # protocol async: the versions of a rank's signature table
     SIGNATURES = 11  # protocol async: the signature rows a partner lacks

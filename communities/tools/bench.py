@@ -6,7 +6,7 @@ reader can judge them on their own machine.
 
 - ``exchange`` (under ``mpiexec -n 2``, or any even number of ranks paired
   0-1, 2-3, ...): the engine's own ``exchange.PairExchange`` (the 40-byte header
-  ``Sendrecv``, then the chunked swap and merge)
+  ``Sendrecv``, then the payload swap and merge)
   against a raw mpi4py ``Sendrecv`` of the same weight bytes, plus its variants.
 - ``signature``: count-sketch and Gaussian signature throughput against
   ``torch.sum`` over the same buffer, peak memory overhead, distance distortion.
@@ -192,17 +192,16 @@ def _exchange_one_size(world, peer: int, size_mb: float, reps: int, warm: int, c
     r["raw"] = clock.timed(lambda: world.comm.Sendrecv(send_np, dest=peer, sendtag=7, recvbuf=recv_np, source=peer,
                                                        recvtag=7), reps, warm)
     pair = exchange.PairExchange(world, n, flat.dtype)  # the engine's own exchange object
-    header = exchange.Header(samples=1000.0, loss=0.5, size=n, has_state=False, diverged=False)
+    header = exchange.Header(samples=1000.0, loss=0.5, size=n, state=0, diverged=False)
 
     def engine():
         """What the mixer runs per exchange: the header Sendrecv, then the chunked swap and merge."""
         pair.swap_headers(header, peer)
-        pair.swap_weights(flat, peer, 0.5)
+        pair.swap(exchange.Payload(flat), peer, 0.5)
 
     r["engine"] = clock.timed(engine, reps, warm)
     r["meta"] = clock.timed(lambda: pair.swap_headers(header, peer), reps, warm)
-    r["engine_nodist"] = clock.timed(lambda: exchange.swap_and_merge_chunked(world, flat, peer, 0.5, pair.buffers,
-                                                                             distance=False), reps, warm)
+    r["engine_nodist"] = clock.timed(lambda: pair.swap(exchange.Payload(flat), peer, 0.5, distance=False), reps, warm)
     r["whole"] = clock.timed(lambda: exchange.swap_and_merge(world, flat, recv, peer, 0.5), reps, warm)
     # the local pieces of the engine exchange, each rank alone (no communication)
     other = torch.randn(n, generator=g)
@@ -253,8 +252,9 @@ def bench_exchange(args) -> int:
               "(it receives as many).")
         print("The flat buffer IS the model: the engine exchange has no flatten/unflatten step. "
               "engine = the mixer's exchange.PairExchange: a header Sendrecv of 5 float64 (40 bytes: samples, "
-              "loss, size, optimizer state, diverged), then swap_weights: a Sendrecv per 1 MiB "
-              "chunk into a chunk-sized buffer, then distance and lerp_ fused while the chunk is in cache.")
+              "loss, size, optimizer state, diverged), then swap: the payload in one Sendrecv up to "
+              "64 MiB (engine.exchange.WHOLE_MAX_BYTES, into a buffer kept between exchanges), above it one per "
+              "1 MiB chunk into a chunk-sized buffer; distance and lerp_ fused per 1 MiB block.")
         print(f"check (a=0.5, both ranks end at the pair mean, equal to merge.interpolate_): "
               f"{'ok' if ok else 'FAILED'} {json.dumps(checks)}")
         print()
@@ -264,7 +264,7 @@ def bench_exchange(args) -> int:
              "torch.dist ms", "lerp_ ms", "meta Sendrecv ms"], rows))
         print()
         print("ratio = raw time / variant time (target >= 0.8 at 16 MB and above). engine dist=False = the "
-              "chunked exchange without the update-norm distance; whole-buffer = exchange.swap_and_merge "
+              "payload swap without the update-norm distance; whole-buffer = exchange.swap_and_merge "
               "(one Sendrecv of the whole buffer, then torch.dist and lerp_; the path device tensors take); "
               "neither with the metadata Sendrecv. torch.dist and lerp_ are each rank alone, no communication; "
               "meta Sendrecv = the 40-byte header swap alone, included in engine.")

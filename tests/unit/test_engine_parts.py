@@ -73,7 +73,7 @@ def build(world, cfg=None, faults=None):
 
 
 def test_header_round_trips_through_its_float64_buffer():
-    h = Header(samples=1234.0, loss=0.25, size=1001, has_state=True, diverged=False)
+    h = Header(samples=1234.0, loss=0.25, size=1001, state=2002, diverged=False)
     a = h.to_array()
     assert a.dtype == np.float64 and a.shape == (5,)
     assert Header.from_array(a) == h
