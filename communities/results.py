@@ -524,13 +524,29 @@ def read_json(path: Path) -> Any:
 
 
 def read_jsonl(path: Path) -> List[dict]:
-    """All complete lines. Only an unterminated last line can be torn (a crash mid-append): it is dropped."""
+    """All complete lines. Only an unterminated last line can be torn (a crash mid-append): it is dropped.
+
+    The whole file is parsed by one ``json.loads`` (about twice as fast as line by line for 10^5+ lines);
+    blank lines or any damage fall back to reading line by line, which names the damaged line.
+    """
     path = Path(path)
     if not path.exists():
         return []
     text = path.read_text(encoding="utf-8", errors="replace")
-    lines = text.split("\n")
-    torn = lines.pop() if lines else ""  # "" when the file ends with a newline
+    body, _, torn = text.rpartition("\n")
+    try:
+        rows: List[dict] = json.loads("[" + body.replace("\n", ",") + "]") if body else []
+    except json.JSONDecodeError:
+        rows = _read_lines(path, body.split("\n"))
+    if torn.strip():
+        try:
+            rows.append(json.loads(torn))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def _read_lines(path: Path, lines: List[str]) -> List[dict]:
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -539,11 +555,6 @@ def read_jsonl(path: Path) -> List[dict]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             raise ResultsError(f"{path}: line {n} is damaged") from None
-    if torn.strip():
-        try:
-            rows.append(json.loads(torn))
-        except json.JSONDecodeError:
-            pass
     return rows
 
 

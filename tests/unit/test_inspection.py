@@ -771,19 +771,27 @@ def test_small_runs_keep_their_full_trees_and_rank_matrix(small_run, tmp_path, m
     assert "aggregated by community" not in page and "quantile bands" not in page
 
 
-def test_bulk_jsonl_reads_what_the_line_reader_reads(tmp_path):
-    from communities.results import read_jsonl
+def test_the_one_pass_jsonl_reader_reads_what_a_line_by_line_reader_reads(tmp_path):
+    from communities.results import ResultsError, read_jsonl
+
+    def line_by_line(path):  # the reference: complete lines, blank ones skipped, a torn last line dropped
+        *lines, torn = path.read_text().split("\n")
+        rows = [json.loads(line) for line in lines if line.strip()]
+        try:
+            return rows + [json.loads(torn)] if torn.strip() else rows
+        except json.JSONDecodeError:
+            return rows
 
     p = tmp_path / "m.jsonl"
     rows = [{"t": t, "rank": r, "test_acc": None if t % 2 else 0.5} for t in range(3) for r in range(4)]
     body = "".join(json.dumps(r) + "\n" for r in rows)
     for text in (body, body + '{"t": 9, "ra', body + '{"t": 9}', body.replace("\n", "\n\n", 1), ""):
         p.write_text(text)
-        assert load.read_jsonl_bulk(p) == read_jsonl(p)
+        assert read_jsonl(p) == line_by_line(p)
     p.write_text(body + "{damaged\n" + body)
-    with pytest.raises(load.ResultsError, match="line 13"):
-        load.read_jsonl_bulk(p)
-    assert load.read_jsonl_bulk(tmp_path / "absent.jsonl") == []
+    with pytest.raises(ResultsError, match="line 13"):
+        read_jsonl(p)
+    assert read_jsonl(tmp_path / "absent.jsonl") == []
 
 
 def test_member_lists_of_a_population_are_cut_with_their_count():
