@@ -31,12 +31,14 @@ setup(
     ],
     extras_require={
         "mpich": ["mpich"],
-        "inspect": ["matplotlib>=3.6"],
+        # communities inspect; pandas for the notebook API (communities.open_run's frames)
+        "inspect": ["matplotlib>=3.6", "pandas>=1.5"],
         "mnist1d": ["mnist1d>=0.0.2"],
         # logging.tensorboard: true (torch.utils.tensorboard's writer needs the tensorboard package)
         "tensorboard": ["tensorboard>=2.10"],
+        # nbclient, nbformat and ipykernel execute docs/notebooks/ headless (tests/unit/test_notebook_api.py)
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2",
-                 "tensorboard>=2.10"],
+                 "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6"],
         # pinned: a newer linter may flag new things, and CI runs make lint
         "dev": ["ruff==0.17.6", "mypy==2.4.1"],
     },

@@ -15,7 +15,7 @@ ALLOWED = {
     "runtime": {"core", "errors"},
     "workload": {"core", "errors"},
     "engine": {"core", "runtime", "workload", "errors", "config", "results", "manifest", "runlock", "__init__"},
-    "report": {"results", "manifest", "runlock", "errors", "core.clustering"},
+    "report": {"results", "manifest", "runlock", "errors", "core.clustering", "model_files"},
     "tools": {"core", "runtime", "workload", "engine", "report", "errors", "config", "results", "manifest", "runlock",
               "cli", "__init__"},
 }
