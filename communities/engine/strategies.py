@@ -345,7 +345,7 @@ class IFCA(Strategy):
       own seeded ones (IFCA needs distinct starts, else every rank takes model 0),
       and the first pick is by loss. Free, but with few ranks per group that
       pick is noise and groups may share one model for good.
-    - ``warmup``: units 0..W-1 are local training from the shared initialisation
+    - ``warmup``: units 1..W are local training from the shared initialisation
       (no bytes). Then every rank allgathers a count-sketch of its drift
       (``signature.dim`` float32 values: dim x 4 x (N - 1) bytes sent per rank),
       every rank runs the same seeded k-means on those N rows, and each
@@ -353,7 +353,8 @@ class IFCA(Strategy):
       rank starts IFCA on its cluster's model. Costs W units of the budget
       without mixing, one small Allgather and one masked Allreduce.
     - ``restarts``: R = ``ifca.restarts`` short random starts of W units each
-      (start s: fresh seeded models, start 0 is ``random``'s), each ending on
+      (start s = 0..R-1: units sW+1..(s+1)W, fresh seeded models; start 0 is
+      ``random``'s), each ending on
       an average and a pick; the mean over ranks of each rank's training loss
       of its pick (one scalar Allreduce) scores the start, and after R x W
       units the start with the lowest score goes on (its models and picks).
@@ -416,12 +417,11 @@ class IFCA(Strategy):
     def mix(self, t: int, mixer: Mixing) -> None:
         """Every period: the k models averaged by the ranks that trained them, then this rank's pick again
         (under ``ifca.init`` warmup or restarts, the start's own steps first)."""
-        if self.init == "warmup" and t < self.start_units:
-            if t == self.start_units - 1:
+        if self.init == "warmup" and t <= self.start_units:  # units 1..W: local training
+            if t == self.start_units:
                 self.assign_by_kmeans(t, mixer)
             return
-        end_of_start = self.init == "restarts" and t < self.start_units * self.starts \
-            and (t + 1) % self.start_units == 0
+        end_of_start = self.init == "restarts" and t <= self.start_units * self.starts and t % self.start_units == 0
         if t % self.cfg.merge.period and not end_of_start:
             return
         self.step(t, mixer)
@@ -456,7 +456,7 @@ class IFCA(Strategy):
         mixer.record(MergeRow.global_average(t, mixer.rank, float(torch.dist(r.flat, before)), sent, Event.AVERAGE))
         if mixer.rank == 0:
             log.info("ifca.init=warmup: k-means of the local models after %d units assigns clusters %s",
-                     t + 1, labels.tolist())
+                     t, labels.tolist())
 
     def end_start(self, t: int, mixer: Mixing) -> None:
         """restarts: score the start that ends at unit t, keep it if it is the best so far, and begin the next

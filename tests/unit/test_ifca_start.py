@@ -92,12 +92,12 @@ def test_restarts_go_on_with_the_lowest_training_loss_start():
     ifca.seeded_models = lambda mixer, start: torch.full((2, 3), float(start))  # start s: models all s
     ifca.losses = lambda replica: [0.5, 0.1] if ifca.models[0, 0] == 1 else [0.1, 0.5]  # start 1: this rank picks 1
     ifca.prepare(m)
-    for t in range(6):
+    for t in range(1, 7):
         ifca.mix(t, m)
     assert ifca.start_losses == [0.9, 0.3, 0.6]
     assert torch.equal(ifca.models, torch.full((2, 3), 1.0)) and ifca.pick == 1  # start 1's models and pick
     assert torch.equal(m.replica.flat, ifca.models[1]) and ifca.best is None
-    ifca.mix(6, m)  # then IFCA as usual
+    ifca.mix(7, m)  # then IFCA as usual
     assert m.calls[-1] == ("ifca_average", 1)
 
 
@@ -108,8 +108,8 @@ def test_restarts_resume_in_the_middle_of_the_starts():
     ifca.seeded_models = lambda mixer, start: torch.full((2, 3), float(start))
     ifca.losses = lambda replica: [0.1, 0.5]
     ifca.prepare(StartMixer())
-    ifca.mix(0, StartMixer())
-    ifca.mix(1, StartMixer(scores=[0.4]))  # start 0 ends
+    ifca.mix(1, StartMixer())
+    ifca.mix(2, StartMixer(scores=[0.4]))  # start 0 ends
     again = strategies.make(cfg, 4)
     again.models = torch.zeros((2, 3))
     again.load_state_dict(ifca.state_dict())
@@ -126,10 +126,10 @@ def test_warmup_trains_alone_then_kmeans_assigns_the_initial_clusters():
     m.replica.flat.fill_(7.0)
     ifca.prepare(m)
     assert torch.equal(m.replica.flat, torch.full((3,), 7.0))  # no pick yet: the rank keeps its own weights
-    for t in range(2):
+    for t in range(1, 3):
         ifca.mix(t, m)
     assert m.calls == []  # local training: no mixing
-    ifca.mix(2, m)
+    ifca.mix(3, m)
     assert m.calls == [("agree", [0, 0, 1, 1]), ("ifca_average", 1)] and ifca.pick == 1
     assert torch.equal(m.replica.flat, ifca.models[1])
 
@@ -158,7 +158,7 @@ def test_the_oracle_trains_exactly_the_planted_groups():
     assert oracle.k == 3 and oracle.pick == 1  # group 7 is the second of the groups 4, 7, 9
     assert all(torch.equal(oracle.models[j], torch.tensor([1.0, 2.0, 3.0])) for j in range(3))  # the shared start
     oracle.losses = lambda replica: pytest.fail("the oracle never scores models")
-    for t in range(3):
+    for t in range(1, 4):
         oracle.mix(t, m)
     assert m.calls == [("ifca_average", 1)] * 3 and oracle.choose(m.replica) == 1
 
