@@ -430,9 +430,18 @@ class IfcaConfig(_Section):
 
     k: int = Field(4, ge=1, description="shared models; every merge.period units each rank picks the one with the "
                    "lowest loss on its shard, trains it, and the ranks that picked the same one average it")
+    init: Literal["random", "warmup", "restarts"] = Field(
+        "random", description="how the k models start: random (seeded models, the first pick by loss); warmup "
+        "(warmup_units of local training, then k-means on the signatures of the local models assigns the initial "
+        "clusters, each cluster's model the mean of its members); restarts (`restarts` short starts of "
+        "warmup_units units each, the one with the lowest training loss kept)")
+    warmup_units: int = Field(2, ge=1, description="units of the start: local training before the k-means "
+                              "(init warmup), or the length of each short start (init restarts); part of train.budget")
+    restarts: int = Field(5, ge=1, description="short random starts under init restarts (restarts x warmup_units "
+                          "units of train.budget); the one with the lowest mean training loss goes on")
 
 
-Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce", "ifca"]
+Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce", "ifca", "oracle"]
 STRATEGIES = get_args(Strategy)
 SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training (every step)
 PAIRWISE = ("community", "gossip", "ring")  # strategies that merge in pairs (the ones protocol async runs)
@@ -508,8 +517,8 @@ class Config(_Section):
         why = None
         if self.protocol != "virtual_clock":
             why = f"protocol={self.protocol!r} (survivors roll back to a signature round every rank took)"
-        elif self.strategy == "ifca":
-            why = "strategy='ifca' (its k shared models would need every rank's pick again)"
+        elif self.strategy in ("ifca", "oracle"):
+            why = f"strategy={self.strategy!r} (its k shared models would need every rank's pick again)"
         elif self.consensus.mode != "global":
             why = f"consensus.mode={self.consensus.mode!r} (community models are formed over the whole world)"
         elif self.signature.overlap:
@@ -518,6 +527,27 @@ class Config(_Section):
             why = "comm.lost_shard='adopt' with examples.track=true (the example table is per shard)"
         if why is not None:
             raise ValueError(f"comm.fault_tolerance='shrink' is not supported with {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _ifca_start(self):
+        ic = self.ifca
+        if self.strategy == "oracle":
+            if ic.init != "random":
+                raise ValueError(f"ifca.init={ic.init!r} has nothing to start under strategy='oracle': its "
+                                 "assignment is the planted groups (ifca.init='random')")
+            if self.data.partition != "label_groups" and self.data.shift == "none" and ":" not in self.data.dataset:
+                raise ValueError(f"strategy='oracle' trains the planted groups, and data.dataset="
+                                 f"{self.data.dataset!r} with data.partition={self.data.partition!r} and "
+                                 "data.shift='none' has none: plant them (data.partition=label_groups or data.shift)")
+        if self.strategy != "ifca" or ic.init == "random":
+            return self
+        units = ic.warmup_units * (ic.restarts if ic.init == "restarts" else 1)
+        if units >= self.train.budget:
+            what = f"ifca.restarts={ic.restarts} x ifca.warmup_units={ic.warmup_units}" if ic.init == "restarts" \
+                else f"ifca.warmup_units={ic.warmup_units}"
+            raise ValueError(f"{what} = {units} units of ifca.init={ic.init!r} leave no unit of train.budget="
+                             f"{self.train.budget} for IFCA itself")
         return self
 
     @model_validator(mode="after")
@@ -553,6 +583,9 @@ class Config(_Section):
                 if rank >= world:
                     raise ConfigError(f"faults.{key} names rank {rank}, not a rank of a world of {world} "
                                       f"(0..{world - 1})")
+        if self.strategy == "ifca" and self.ifca.init == "warmup" and self.ifca.k > world:
+            raise ConfigError(f"ifca.k={self.ifca.k} clusters of ifca.init='warmup' (k-means over the ranks) need at "
+                              f"least as many ranks; world size is {world}")
         if self.strategy in ("community", "gossip", "ring") and world < 2:
             raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
 

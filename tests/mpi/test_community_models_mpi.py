@@ -24,6 +24,12 @@ IID = ["data.partition=iid", "data.local_test_fraction=0.2", "train.budget=30"]
 CHECKPOINTED = ["train.budget=30", "checkpoint.every=10", "checkpoint.at_end=false"]
 AUTO = [*PERMUTED, "consensus.mode=auto", *CHECKPOINTED]
 IFCA = [*PERMUTED, "strategy=ifca", "ifca.k=2", "merge.period=2", *CHECKPOINTED]
+# issue 23: IFCA started fairly and the oracle, on digits (2 label-permuted groups of 2 ranks), a few units each
+DIGITS = [*PERMUTED, "data.dataset=digits", "merge.period=2"]
+IFCA_WARMUP = [*DIGITS, "strategy=ifca", "ifca.k=2", "ifca.init=warmup", "ifca.warmup_units=6", "train.budget=10"]
+IFCA_RESTARTS = [*DIGITS, "strategy=ifca", "ifca.k=2", "ifca.init=restarts", "ifca.restarts=3",
+                 "ifca.warmup_units=2", "train.budget=8"]
+ORACLE = [*DIGITS, "strategy=oracle", "train.budget=6"]
 N = 4
 PLUGIN_EXAMPLE = ROOT / "examples" / "plugins" / "config.yaml"
 # runs that need more ranks than the world has: {name: (overrides, what the error names)}
@@ -67,6 +73,9 @@ def runs(tmp_path_factory):
         "auto_iid": [*IID, "consensus.mode=auto"],
         "global_iid": [*IID, "consensus.finetune_units=3"],
         "ifca": IFCA,
+        "ifca_warmup": IFCA_WARMUP,
+        "ifca_restarts": IFCA_RESTARTS,
+        "oracle": ORACLE,
         **{name: overrides for name, (overrides, _) in BAD.items()}}.items()}
     # the docs' sharded reader (each rank reads its own shard): its ranks hold out their local tests themselves
     jobs["sharded"] = Job(PLUGIN_EXAMPLE, root / "sharded", ["data.dataset=my_data:blobs_sharded", "train.budget=15",
@@ -248,6 +257,52 @@ def test_ifca_trains_k_shared_models(runs):
     for m in record["models"]:
         rows = last.signatures[m["members"]]
         assert all(np.array_equal(rows[0], r) for r in rows)
+
+
+def digits_run(runs, name: str) -> Path:
+    """The run directory of a digits job (the CLI names it after the dataset: tiny-digits)."""
+    [run] = (runs.root / name).iterdir()
+    return run
+
+
+def averaged_at(run: Path) -> dict:
+    """{rank: the units at which it took part in an average}."""
+    out: dict = {}
+    for m in read_jsonl(run / "merges.jsonl"):
+        if m["event"] == "average":
+            out.setdefault(m["i"], []).append(m["t"])
+    return out
+
+
+def test_ifca_warmup_kmeans_recovers_the_planted_groups(runs):
+    run, out = digits_run(runs, "ifca_warmup"), runs.result["ifca_warmup"].stdout
+    assert "k-means of the local models after 6 units assigns clusters [0, 0, 1, 1]" in out
+    # units 1..6 local training; at 6 each cluster's model the mean of its members; then IFCA every 2 units
+    assert averaged_at(run) == {r: [6, 8, 10] for r in range(N)}
+    record = json.loads((run / "summary.json").read_text())["community_models"]
+    assert record["kind"] == "ifca" and record["labels"] == [0, 0, 1, 1]
+
+
+def test_ifca_restarts_keep_the_lowest_training_loss_start(runs):
+    run, out = digits_run(runs, "ifca_restarts"), runs.result["ifca_restarts"].stdout
+    [line] = [x for x in out.splitlines() if "ifca.init=restarts" in x]
+    losses = json.loads(line.split("per start ")[1].split(";")[0])
+    kept = int(line.rsplit("kept start ", 1)[1])
+    assert len(losses) == 3 and np.isfinite(losses).all() and kept == int(np.argmin(losses))
+    assert averaged_at(run) == {r: [2, 4, 6, 8] for r in range(N)}  # each start's end, then IFCA
+
+
+def test_the_oracle_trains_exactly_the_planted_groups(runs):
+    run = digits_run(runs, "oracle")
+    planted = json.loads((run / "partition.json").read_text())["groups"]
+    s = json.loads((run / "summary.json").read_text())
+    record = s["community_models"]
+    assert planted == [0, 0, 1, 1] and record["labels"] == planted and record["k"] == 2
+    assert [m["members"] for m in record["models"]] == [[0, 1], [2, 3]]
+    assert averaged_at(run) == {r: [2, 4, 6] for r in range(N)}
+    # the members of a group end on its model, the groups on different ones
+    models = {m["community"]: torch.load(run / m["file"], weights_only=True) for m in record["models"]}
+    assert not identical(models[0], models[1])
 
 
 def test_ifca_resumed_ends_with_the_same_bits(runs, resumed):
