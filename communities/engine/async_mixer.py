@@ -46,9 +46,9 @@ POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3  # back-off between polls while waiting (no
 class AsyncMixer(Mixer):
     """The asynchronous mixer of one rank."""
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest,
+    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest,
                  table: GossipTable, snapshots=None):
-        super().__init__(cfg, world, timer, replica, agreement)
+        super().__init__(cfg, world, timer, replica=replica, agreement=agreement)
         self.table, self.snapshots = table, snapshots
         timeout = cfg.comm.timeout if cfg.comm.timeout > 0 else math.inf
         self.rz = Rendezvous(self.rank, timeout)

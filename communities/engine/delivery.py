@@ -52,7 +52,7 @@ def _mean(values) -> Optional[float]:
 class Delivery:
     """The end of a run on one rank: form the delivered models, score them, gather the figures to rank 0."""
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, mode: CommunityMode, strategy):
+    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, mode: CommunityMode, strategy):
         self.cfg, self.world, self.timer, self.replica, self.mode, self.strategy = \
             cfg, world, timer, replica, mode, strategy
 

@@ -250,7 +250,7 @@ class Payload:
     dtype and size this side expects.
     """
 
-    def __init__(self, weights: torch.Tensor, outgoing: Optional[torch.Tensor] = None,
+    def __init__(self, weights: torch.Tensor, *, outgoing: Optional[torch.Tensor] = None,
                  state: Sequence[torch.Tensor] = (), seen_at: Optional[np.ndarray] = None):
         if outgoing is not None and (outgoing.shape != weights.shape or outgoing.dtype != weights.dtype):
             raise ValueError("outgoing must have the weights' shape and dtype")
@@ -311,7 +311,7 @@ class Payload:
 class PairExchange:
     """One rank's end of pairwise exchanges: the header swap, then the payload swap with the weights' merge."""
 
-    def __init__(self, world: World, numel: int, dtype: torch.dtype, whole_max: int = WHOLE_MAX_BYTES):
+    def __init__(self, world: World, numel: int, dtype: torch.dtype, *, whole_max: int = WHOLE_MAX_BYTES):
         self.world, self.numel, self.whole_max = world, int(numel), int(whole_max)
         self.buffers = ChunkBuffers(numel, dtype)
         self._held: Dict[str, torch.Tensor] = {}  # the whole-payload send and receive buffers, kept

@@ -243,8 +243,9 @@ class Engine:
         # the round written at this very unit, if any (its snapshots are the weights delivered now)
         at_round = self.rounds.index - 1 if self.rounds.due(self.t) and self.rounds.index > 0 else None
         with self.world.monitoring():  # forming and scoring the delivered models: not training traffic
-            local_test, community_models, files = Delivery(
-                cfg, self.world, self.timer, replica, self.mode, self.mixer.strategy).deliver(mean, self.t, at_round)
+            delivery = Delivery(cfg, self.world, self.timer, replica=replica, mode=self.mode,
+                                strategy=self.mixer.strategy)
+            local_test, community_models, files = delivery.deliver(mean, self.t, at_round)
         run = {"name": cfg.name, "strategy": cfg.strategy, "world_size": self.world.size,
                "n_params": int(replica.flat.numel()), "units": self.t, "rounds": self.rounds.index,
                "consensus_test_acc": acc, "consensus_test_loss": loss,

@@ -44,7 +44,7 @@ class MergeScorer(Protocol):
 class Mixer:
     """The virtual-clock mixer of one rank (the default ``protocol``)."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, replica: Replica, agreement: RunningDigest):
+    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest):
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         self.rank, self.n = world.rank, world.size
         self.strategy = strategies.make(cfg, self.n)

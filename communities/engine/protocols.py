@@ -33,9 +33,11 @@ def build(cfg: Config, world: World, timer: Timer, replica: Replica, agreement: 
     """The protocol-specific parts of a run (every rank calls it: set-up collectives)."""
     if cfg.protocol == "async":
         gossip = GossipRounds(cfg, world, timer, replica=replica, agreement=agreement)
-        consensus = AsyncConsensus(cfg, world, timer, replica)
-        mixer = AsyncMixer(cfg, world, timer, replica, agreement, gossip.table, consensus.snapshots)
+        consensus = AsyncConsensus(cfg, world, timer, replica=replica)
+        mixer = AsyncMixer(cfg, world, timer, replica=replica, agreement=agreement, table=gossip.table,
+                           snapshots=consensus.snapshots)
         return Parts(gossip, mixer, consensus, collective_log=False)
-    rounds = SignatureRounds(cfg, world, timer, replica, agreement)
-    return Parts(rounds, Mixer(cfg, world, timer, replica, agreement), Consensus(cfg, world, timer, replica),
+    rounds = SignatureRounds(cfg, world, timer, replica=replica, agreement=agreement)
+    return Parts(rounds, Mixer(cfg, world, timer, replica=replica, agreement=agreement),
+                 Consensus(cfg, world, timer, replica=replica),
                  collective_log=True)

@@ -60,7 +60,7 @@ class Replica:
     outer: Optional[merge.OuterOptimizer]  # merge.outer or diloco (``enable_outer``)
     anchor: Optional[torch.Tensor]  # diloco: the weights all ranks held after the last global step
 
-    def __init__(self, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults,
+    def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
                  tracker: Optional[ExampleTracker]):
         self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
@@ -83,7 +83,8 @@ class Replica:
         if cfg.model.init == "shared":
             world.bcast_(flat, root=0)
         torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
-        return cls(cfg, world, device, timer, faults, placed, model, flat, n_params, tracker)
+        return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,
+                   n_params=n_params, tracker=tracker)
 
     def adopt(self, ranks: List[int]) -> None:
         """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""

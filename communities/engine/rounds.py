@@ -103,7 +103,7 @@ class SignatureRounds:
     agree = True  # every rank derives the same communities: prove it (comm.check_hashes)
     views: Optional[List[list]] = None  # async: this rank's own community views (the same for all here)
 
-    def __init__(self, cfg, world: World, timer: Timer, replica: Replica, agreement: RunningDigest):
+    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest):
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         kind = _FunctionSignature if cfg.signature.kind in probe.KINDS else _WeightSignature
         self.signature = kind(cfg, world, replica)

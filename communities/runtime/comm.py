@@ -48,7 +48,7 @@ class World(PointToPoint):
         self._local_rank: Optional[int] = None
         self.roll = RollCall(self.comm)
         self._timeout = float(timeout)
-        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, self.roll)
+        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, roll=self.roll)
         self._posted = []
         self.shrinks = False  # comm.fault_tolerance shrink (``enable_shrink``)
 
@@ -130,7 +130,7 @@ class World(PointToPoint):
         """Arm (or re-arm) the watchdog, once the config is known."""
         self.watchdog.stop()
         self._timeout = float(timeout)
-        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, self.roll)
+        self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, roll=self.roll)
         if self.shrinks:
             self.watchdog.translate = self._translate
 
@@ -190,7 +190,7 @@ class World(PointToPoint):
         """
         row = np.array(row, copy=True, order="C")
         out = np.empty((self.size,) + row.shape, dtype=row.dtype)
-        req = WatchedRequest(self.comm.Iallgather(row, out), self, what, self.roll.enter())
+        req = WatchedRequest(self.comm.Iallgather(row, out), self, what, seq=self.roll.enter())
         self.bytes_sent += row.nbytes * (self.size - 1)
         return req, out, row  # keep ``row`` alive until the request completes
 

@@ -127,7 +127,8 @@ class Watchdog:
     collective the message names the ranks that have not arrived (``RollCall``).
     """
 
-    def __init__(self, rank: int, timeout: float, abort: Callable[[int], None], roll: Optional[RollCall] = None):
+    def __init__(self, rank: int, timeout: float, abort: Callable[[int], None], *,
+                 roll: Optional[RollCall] = None):
         self.rank, self.timeout, self._abort, self.roll = rank, float(timeout), abort, roll
         self.context = ""  # set by the engine, e.g. "t=12"
         self._since = 0.0
@@ -182,7 +183,7 @@ class WatchedRequest:
     ``world`` is asked for its watchdog at the ``Wait``: the one armed then (``World.set_timeout`` re-arms it).
     """
 
-    def __init__(self, request, world, what: str, seq: int):
+    def __init__(self, request, world, what: str, *, seq: int):
         self.request, self.world, self.what, self.seq = request, world, what, seq
 
     def Wait(self) -> None:

@@ -208,3 +208,15 @@ class Child(Base):
     classes = {n.name: n for n in ast.parse(src).body if isinstance(n, ast.ClassDef)}
     assert _late_attributes(classes["Child"], classes) == ["Child.e (in later)"]
     assert _late_attributes(classes["Child"]) == ["Child.a (in later)", "Child.e (in later)"]
+
+
+def test_constructors_of_more_than_three_parameters_take_the_rest_as_keywords():
+    """A call such as ``Mixer(cfg, world, timer, replica, agreement)`` cannot swap two arguments unseen."""
+    long = []
+    for where, cls in _classes("engine", "core", "runtime"):
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                positional = (fn.args.posonlyargs + fn.args.args)[1:]
+                if len(positional) > 3:
+                    long.append(f"{where} {cls.name}({', '.join(a.arg for a in positional)})")
+    assert not long, "constructors with more than three positional parameters: " + "; ".join(long)

@@ -195,7 +195,7 @@ def test_replica_data_adopt_gives_a_new_value_with_the_lost_shards_appended(worl
 def test_local_sgd_average_on_one_rank_leaves_the_weights_and_logs_a_global_row(world):
     cfg = make_cfg(strategy="local_sgd", **{"merge.period": 2})
     cfg, timer, replica = build(world, cfg)
-    mixer = Mixer(cfg, world, timer, replica, RunningDigest())
+    mixer = Mixer(cfg, world, timer, replica=replica, agreement=RunningDigest())
     replica.train_unit(1)
     assert mixer.mix(1) == []
     before = replica.flat.clone()
@@ -210,7 +210,7 @@ def test_local_sgd_average_on_one_rank_leaves_the_weights_and_logs_a_global_row(
 def test_allreduce_strategy_binds_one_flat_gradient_buffer(world):
     cfg = make_cfg(strategy="allreduce", **{"train.unit": "epoch"})
     cfg, timer, replica = build(world, cfg)
-    mixer = Mixer(cfg, world, timer, replica, RunningDigest())
+    mixer = Mixer(cfg, world, timer, replica=replica, agreement=RunningDigest())
     assert callable(mixer.grad_sync) and mixer.unit_steps == -(-replica.data.shard.indices.size // 16)
     row = replica.train_unit(1, mixer.grad_sync, mixer.unit_steps)
     assert np.isfinite(row.loss) and timer.total["exchange"] > 0
@@ -219,14 +219,14 @@ def test_allreduce_strategy_binds_one_flat_gradient_buffer(world):
 def test_signature_round_on_one_rank(world):
     cfg, timer, replica = build(world)
     agreement = RunningDigest()
-    rounds = SignatureRounds(cfg, world, timer, replica, agreement)
+    rounds = SignatureRounds(cfg, world, timer, replica=replica, agreement=agreement)
     assert not rounds.due(2) and rounds.due(3)
     rnd = rounds.run(3)
     assert isinstance(rnd, RoundResult) and rnd.index == 0 and rnd.t == 3
     assert rnd.signatures.shape == (1, 16) and rnd.communities.labels.tolist() == [0]
     assert np.isnan(rnd.dispersion) and not rnd.outliers.any() and agreement.value
     state = through_disk(rounds.state_dict())
-    other = SignatureRounds(cfg, world, timer, replica, RunningDigest())
+    other = SignatureRounds(cfg, world, timer, replica=replica, agreement=RunningDigest())
     other.load_state_dict(state)
     assert other.index == 1 and other.counts == [1]
 
@@ -234,7 +234,7 @@ def test_signature_round_on_one_rank(world):
 def test_overlapped_signature_round_takes_effect_one_round_later(world):
     cfg = make_cfg(**{"signature.overlap": True})
     cfg, timer, replica = build(world, cfg)
-    rounds = SignatureRounds(cfg, world, timer, replica, RunningDigest())
+    rounds = SignatureRounds(cfg, world, timer, replica=replica, agreement=RunningDigest())
     assert rounds.run(3) is None and rounds.index == 0
     rnd = rounds.run(6)
     assert rnd is not None and rnd.index == 0 and rnd.t == 6
@@ -245,7 +245,7 @@ def test_overlapped_signature_round_takes_effect_one_round_later(world):
 def test_consensus_counts_merges_and_waits_for_patience(world):
     cfg = make_cfg(**{"consensus.patience": 2, "consensus.tol": 0.1})
     cfg, timer, replica = build(world, cfg)
-    consensus = Consensus(cfg, world, timer, replica)
+    consensus = Consensus(cfg, world, timer, replica=replica)
     consensus.record([MergeRow.pairwise(1, 0, 1, 0, 0.5, 2.0, 4.0, 10, Event.MERGE),
                       MergeRow.pairwise(1, 0, 1, 1, 0.0, 9.0, 4.0, 10, Event.SKIP_DIVERGED)])
     com = Communities(Z=np.zeros((0, 4)), labels=np.zeros(1, dtype=np.int64), cut_height=0.0,
@@ -264,7 +264,7 @@ def test_consensus_counts_merges_and_waits_for_patience(world):
 
 def test_checkpointer_restores_every_part(world, tmp_path):
     cfg, timer, replica = build(world)
-    mixer = Mixer(cfg, world, timer, replica, RunningDigest())
+    mixer = Mixer(cfg, world, timer, replica=replica, agreement=RunningDigest())
     parts = {"replica": replica, "mixer": mixer, "timer": timer, "traffic": world}
     ck = Checkpointer(cfg, world, tmp_path / "checkpoints", parts=parts, before_save=lambda: None, info=lambda: {})
     replica.train_unit(1)
