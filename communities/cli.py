@@ -186,8 +186,9 @@ def cmd_run(args) -> int:
 
 
 def exit_without_finalize(code: int) -> None:
-    """Leave without MPI_Finalize: under Open MPI 5.0's ULFM with the threaded failure detector on
-    (``--mca mpi_ft_detector_thread true``, launch/mpirun.sh DETECTOR=1) MPI_Finalize never returns.
+    """Leave without MPI_Finalize, which under Open MPI 5.0's ULFM may never return: with the threaded failure
+    detector on (``--mca mpi_ft_detector_thread true``, launch/mpirun.sh DETECTOR=1), and at times after a
+    peer was lost (``ulfm.lost_a_peer``).
 
     Every collective of the job is done by now and every file written and closed: flush what is printed, exit.
     """
@@ -201,7 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     code = _main(argv)
     from .runtime import ulfm  # (light: MPI loads only if a command used it)
 
-    if ulfm.enabled() and os.environ.get("OMPI_MCA_mpi_ft_detector_thread", "").lower() in ("1", "true"):
+    detector = os.environ.get("OMPI_MCA_mpi_ft_detector_thread", "").lower() in ("1", "true")
+    if ulfm.enabled() and (detector or ulfm.lost_a_peer()):
         exit_without_finalize(code)
     return code
 
