@@ -215,7 +215,7 @@ class Mixer:
 
         self.grad_sync = average_gradients
         if self.cfg.train.unit == "epoch":  # each step is a collective: every rank must take as many
-            longest = max(s.indices.size for s in replica.shards)
+            longest = max(s.indices.size for s in replica.data.shards)
             self.unit_steps = -(-longest // self.cfg.train.batch_size)
 
     def average(self, t: int) -> None:

@@ -22,7 +22,6 @@ from ..results import MetricRow
 from ..runtime.collective import on_every_rank
 from ..runtime.comm import World
 from ..workload import models, train
-from ..workload.data import Dataset, Shard
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
 from .replica_data import ReplicaData, load_replica_data
@@ -89,24 +88,6 @@ class Replica:
     def adopt(self, ranks: List[int]) -> None:
         """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""
         self.data = self.data.adopt(ranks)
-
-    # read-only views of ``data`` for the parts that read them (strategies)
-
-    @property
-    def dataset(self) -> Dataset:
-        return self.data.dataset
-
-    @property
-    def shards(self) -> List[Shard]:
-        return self.data.shards
-
-    @property
-    def x(self) -> torch.Tensor:
-        return self.data.x
-
-    @property
-    def y(self) -> torch.Tensor:
-        return self.data.y
 
     def enable_outer(self, outer_cfg, anchor: bool = False) -> None:
         """An outer optimizer on merges (merge.outer) or on global averages (diloco, with an anchor)."""

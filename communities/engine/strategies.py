@@ -392,7 +392,7 @@ class IFCA(Strategy):
             with torch.random.fork_rng(devices=[]):  # leave this rank's RNG (dropout) as it was
                 for j in range(1 if start == 0 else 0, self.k):
                     torch.manual_seed(self.cfg.seed * 7919 + 1_000_003 * (start * self.k + j))
-                    m = models.build(self.cfg.model, r.dataset.input_shape, r.dataset.n_classes)
+                    m = models.build(self.cfg.model, r.data.dataset.input_shape, r.data.dataset.n_classes)
                     flat, _ = models.flatten_(m)
                     models_[j].copy_(flat.to(r.flat.device))
         mixer.world.bcast_(models_.view(-1), root=0)
@@ -400,7 +400,7 @@ class IFCA(Strategy):
 
     def losses(self, replica: Replica) -> List[float]:
         """Each shared model's loss on this rank's training shard."""
-        return [replica.evaluate_on(replica.x, replica.y, self.models[j])[1] for j in range(self.k)]
+        return [replica.evaluate_on(replica.data.x, replica.data.y, self.models[j])[1] for j in range(self.k)]
 
     def choose(self, replica: Replica) -> int:
         """Take the model with the lowest loss on the shard (the first on ties) into this rank's weights."""
