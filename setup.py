@@ -28,6 +28,7 @@ setup(
         "pyyaml>=6",
         "pydantic>=2.4",
         "tqdm>=4.60",
+        "greenlet>=2.0",  # populations: many replicas per MPI process (runtime/population.py)
     ],
     extras_require={
         "mpich": ["mpich"],

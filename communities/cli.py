@@ -152,6 +152,7 @@ def cmd_run(args) -> int:
     from .engine import loop
     from .engine.run_dir import Resume
     from .errors import ConfigError, Preempted, RunComplete, collective
+    from .runtime import population
     from .runtime.comm import World
     from .runtime.launcher import launcher_mismatch
 
@@ -173,9 +174,17 @@ def cmd_run(args) -> int:
     hook_search_path(args.config)  # on every rank: each imports the hooks itself
     resume = Resume.of(args.resume, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
     code = 0
+    problem = population.refusal(cfg, world.size)  # the same answer on every rank
+    if problem:
+        raise collective(ConfigError(problem))
+    replicas = cfg.world_size or world.size
+    options = dict(overwrite=args.overwrite, argv=sys.argv, progress=not (args.no_progress or args.quiet),
+                   resume=resume)
     try:
-        loop.run(cfg, world, overwrite=args.overwrite, argv=sys.argv, progress=not (args.no_progress or args.quiet),
-                 resume=resume)
+        if replicas == world.size:
+            loop.run(cfg, world, **options)
+        else:  # a population: this process hosts world_size / (MPI processes) replicas
+            population.run_population(world, replicas, lambda replica_world: loop.run(cfg, replica_world, **options))
     except Preempted:
         code = EXIT_PREEMPTED
     except RunComplete as exc:

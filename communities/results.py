@@ -482,9 +482,10 @@ class Summary:
     consensus_mode: Optional[dict] = None  # consensus.mode other than global: the decision and its evidence
     community_models: Optional[dict] = None  # the per-community (or IFCA) models delivered (models/communities.json)
     membership: Optional[dict] = None  # comm.fault_tolerance shrink: the survivors, the ranks lost, each recovery
+    placement: Optional[dict] = None  # a population (world_size > MPI processes): processes, bytes by kind
 
     OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement", "local_test", "consensus_mode",
-                                           "community_models", "membership")
+                                           "community_models", "membership", "placement")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -84,7 +84,9 @@ def _read(cfg: "Config", world: World) -> Tuple[data.Dataset, Tuple[str, str], O
     """This rank's copy of the dataset (a sharded reader's: its own training shard), its fingerprint, and a
     sharded reader's declared group for this rank."""
     # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
-    ds = data.load(cfg.data, cfg.seed, world.rank, world.size)
+    # (the replicas of one process share one copy: a dataset function's own sharding is by rank, so not there)
+    key = ("data.load", world.rank if ":" in cfg.data.dataset else None)
+    ds = world.shared(key, lambda: data.load(cfg.data, cfg.seed, world.rank, world.size))
     own_group = None
     if ds.sharded:
         own_group = data.own_group(ds, world.rank, world.size)
@@ -166,7 +168,7 @@ def _place(cfg: "Config", world: World, device: torch.device, ds: data.Dataset, 
     label_counts: Optional[List[List[int]]] = None
     if combined is None:
         # the partition, the shift of the planted groups and the local tests: the same on every rank
-        prepared = data.arrange(ds, cfg.data, cfg.seed, world.size)
+        prepared = world.shared(("data.arrange", id(ds)), lambda: data.arrange(ds, cfg.data, cfg.seed, world.size))
         ds, shards, local = prepared.dataset, prepared.shards, prepared.local_tests[world.rank]
         local_test_sizes = [int(t.size) for t in prepared.local_tests]
     else:

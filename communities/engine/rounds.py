@@ -18,7 +18,7 @@ import torch
 
 from ..core import clustering, probe, robust, schedule, signature, similarity
 from ..core.clustering import Communities
-from ..core.protocol import RunningDigest
+from ..core.protocol import RunningDigest, digest
 from ..errors import ConfigError
 from ..runtime.collective import on_every_rank
 from ..runtime.comm import World
@@ -46,7 +46,8 @@ class _WeightSignature:
     def __init__(self, cfg, world: World, replica: Replica):
         sc = cfg.signature
         self.n_params = replica.n_params
-        sk = signature.make_sketch(sc.kind, replica.n_params, sc.dim, cfg.seed, replica.device, replica.flat.dtype)
+        sk = world.shared(("sketch", sc.kind, replica.n_params, sc.dim), lambda: signature.make_sketch(
+            sc.kind, replica.n_params, sc.dim, cfg.seed, replica.device, replica.flat.dtype))
         ref = sk(replica.flat[: replica.n_params]).numpy() if world.rank == 0 else None
         self.signer = signature.Signer(sk, world.bcast_array(ref, (sc.dim,), np.float64))
 
@@ -125,33 +126,39 @@ class SignatureRounds:
         S = self._gather(t)
         if S is None:
             return None
-        cfg, n = self.cfg, self.world.size
-        cc = cfg.clustering
+        cfg = self.cfg
         with self.timer("signature"):
-            raw = S
-            outliers = robust.outliers(raw, cfg.robust.outlier_factor) if cfg.robust.enabled else \
-                np.zeros(n, dtype=bool)
-            S = robust.sanitize(raw)
-            k = int(round(schedule.evaluate(cc.k, t))) if cc.cut == "maxclust" else None
-            pre = self.signature.distances(S)
-            com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
-                                              max_k=min(cc.max_communities, n - 1),
-                                              min_silhouette=cc.min_silhouette,
-                                              min_separation=cc.min_separation, distances=pre,
-                                              fast=self.fast_distances)
-            counted = np.isfinite(raw).all(axis=1) & ~outliers & self.world.alive
-            disp = self.signature.dispersion(S, counted, pre) if counted.sum() >= 2 else float("nan")
-            self.agreement.update(com.labels, com.Z, S, outliers, com.distances)
+            # the same bytes on every rank: computed once for the replicas of a process (a population)
+            S, com, outliers, disp, k, ari, decided = self.world.shared(("round", t), lambda: self._decide(t, S))
+            self.agreement.update(decided)
         if self.agree and cfg.comm.check_hashes:
             with self.timer("idle"):
                 self.world.agree(self.agreement.value, f"the exchange lists and communities up to t={t}")
-        ari = clustering.adjusted_rand(com.labels, self.groups)
         if self.first_ari is None:
             self.first_ari = ari
         self.counts.append(com.count)
         self.last_dispersion = disp
         self.index += 1
         return RoundResult(self.index - 1, t, S, com, outliers, disp, k, ari)
+
+    def _decide(self, t: int, raw: np.ndarray) -> tuple:
+        """What a round decides from the gathered rows ``raw``: (rows sanitised, communities, outliers,
+        dispersion, the maxclust target, ARI against the planted groups, a digest of it all)."""
+        cfg, n = self.cfg, self.world.size
+        cc = cfg.clustering
+        outliers = robust.outliers(raw, cfg.robust.outlier_factor) if cfg.robust.enabled else np.zeros(n, dtype=bool)
+        S = robust.sanitize(raw)
+        k = int(round(schedule.evaluate(cc.k, t))) if cc.cut == "maxclust" else None
+        pre = self.signature.distances(S)
+        com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
+                                          max_k=min(cc.max_communities, n - 1),
+                                          min_silhouette=cc.min_silhouette,
+                                          min_separation=cc.min_separation, distances=pre,
+                                          fast=self.fast_distances)
+        counted = np.isfinite(raw).all(axis=1) & ~outliers & self.world.alive
+        disp = self.signature.dispersion(S, counted, pre) if counted.sum() >= 2 else float("nan")
+        decided = np.frombuffer(digest(com.labels, com.Z, S, outliers, com.distances), dtype=np.uint8)
+        return S, com, outliers, disp, k, clustering.adjusted_rand(com.labels, self.groups), decided
 
     def _gather(self, t: int) -> Optional[np.ndarray]:
         with self.timer("signature"):

@@ -45,8 +45,8 @@ from .timer import Timer
 log = logging.getLogger(__name__)
 
 # What each rank reports at the end, gathered as one float64 row per rank
-FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units") + \
-    TIME_CATEGORIES
+FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
+                "bytes_in_process") + TIME_CATEGORIES
 
 
 class RunLog:
@@ -185,7 +185,7 @@ class RunLog:
         w = self.world
         mine = {"test_acc": test_acc, "distance": distance, "bytes_sent": w.bytes_sent, "wall": self.timer.elapsed(),
                 "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data, "units": run["units"],
-                **self.timer.split()}
+                "bytes_in_process": w.bytes_in_process, **self.timer.split()}
         row = np.array([[mine[f] for f in FINAL_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
         hard = tracker.globally_hard() if tracker is not None else np.zeros((0, 2))
@@ -215,7 +215,8 @@ class RunLog:
             time_split_per_rank={c: [float(x) for x in g[c]] for c in ("wall",) + TIME_CATEGORIES},
             examples=self._examples_summary(ex_rows, hard_rows) if tracker is not None else None,
             protocol=self.cfg.protocol,
-            view_agreement=self._views(view_rows) if view_rows is not None else None)
+            view_agreement=self._views(view_rows) if view_rows is not None else None,
+            placement=placement_summary(w.processes, w.size, g))
         self.writer.write_json("summary.json", summary.to_dict())
         if self.board is not None:
             self.board.finish(summary)
@@ -320,3 +321,17 @@ def print_summary(s: Summary, run_dir: Path) -> None:
 
 def _acc(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def placement_summary(processes: int, replicas: int, g: Dict[str, np.ndarray]) -> Optional[dict]:
+    """A population's figures (None with one replica per process): bytes that crossed MPI against bytes swapped
+    in memory, and each process's wall time spent training its replicas (one after another)."""
+    if processes >= replicas:
+        return None
+    per = replicas // processes
+    train = g["train"].reshape(processes, per).sum(axis=1)
+    wall = g["wall"].reshape(processes, per).max(axis=1)
+    return {"processes": processes, "replicas_per_process": per,
+            "bytes_network_mean": float((g["bytes_sent"] - g["bytes_in_process"]).mean()),
+            "bytes_in_process_mean": float(g["bytes_in_process"].mean()),
+            "train_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(train, wall)]}

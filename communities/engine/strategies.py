@@ -160,10 +160,21 @@ class Gossip(Strategy):
 
     def mix(self, t: int, mixer: Mixing) -> None:
         """Every rank derives the same ordered exchange list and performs its own exchanges in list order."""
-        plan = self.exchanges(t, self.clock.fire(t), mixer.unavailable)
-        mixer.agreement.update(np.asarray(plan, dtype=np.int64).reshape(-1, 2))
-        for partner, (initiator, _) in protocol.my_exchanges(plan, mixer.rank):
+        initiators = self.clock.fire(t)
+        # the list, and each rank's part of it, once for every replica of a process (a population)
+        plan, by_rank = mixer.world.shared(("exchanges", t), lambda: self._plan(t, initiators, mixer.unavailable))
+        mixer.agreement.update(plan)
+        for partner, (initiator, _) in by_rank.get(mixer.rank, ()):
             mixer.exchange(t, partner, initiator)
+
+    def _plan(self, t: int, initiators: np.ndarray, unavailable: np.ndarray) -> tuple:
+        """(unit t's exchange list as an (E, 2) array, {rank: its (partner, exchange) in list order})."""
+        plan = self.exchanges(t, initiators, unavailable)
+        by_rank: Dict[int, list] = {}
+        for i, j in plan:
+            by_rank.setdefault(i, []).append((j, (i, j)))
+            by_rank.setdefault(j, []).append((i, (i, j)))
+        return np.asarray(plan, dtype=np.int64).reshape(-1, 2), by_rank
 
     def observe(self, communities: Communities, mixer: Mixing, t: int) -> None:
         super().observe(communities, mixer, t)

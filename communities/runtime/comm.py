@@ -51,6 +51,8 @@ class World(PointToPoint):
         self.watchdog = Watchdog(self.rank, timeout, self.comm.Abort, roll=self.roll)
         self._posted = []
         self.shrinks = False  # comm.fault_tolerance shrink (``enable_shrink``)
+        self.processes = self.comm.Get_size()  # MPI processes (a population: fewer than ``size``, population.py)
+        self.tag_limit = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
 
     # ---------------------------------------------------------------- membership (see membership.py, ulfm.py)
 
@@ -112,6 +114,10 @@ class World(PointToPoint):
     @property
     def cuda_aware(self) -> bool:
         return self.staging.cuda_aware
+
+    def shared(self, key, compute):
+        """``compute()``: what the replicas of one process compute once for all (``population.Hub.shared``)."""
+        return compute()
 
     # ---------------------------------------------------------------- the watchdog
 

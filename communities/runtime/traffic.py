@@ -3,8 +3,9 @@
 ``bytes_sent`` is training traffic (merges, signatures, averages that change the weights); the other kinds are
 kept apart so that they never inflate it: ``monitoring`` (consensus-model evaluations), ``data`` (training
 examples passed between partners) and ``control`` (collectives that only coordinate the ranks: set-up
-broadcasts, stop votes and flags, counts, log gathers). Counts follow a simple model of each call (what one
-rank puts on the wire), the same on every MPI library.
+broadcasts, stop votes and flags, counts, log gathers). ``in_process`` is the part of ``bytes_sent`` that two
+replicas of one process swapped in memory (a population: ``population.py``); the rest crossed MPI. Counts
+follow a simple model of each call (what one rank puts on the wire), the same on every MPI library.
 """
 from __future__ import annotations
 
@@ -15,23 +16,24 @@ from typing import Iterator
 class Traffic:
     """The byte counters of one rank."""
 
-    COUNTERS = ("bytes_sent", "bytes_monitoring", "bytes_data", "bytes_control")
+    COUNTERS = ("bytes_sent", "bytes_monitoring", "bytes_data", "bytes_control", "bytes_in_process")
 
     def __init__(self) -> None:
         self.bytes_sent = 0
         self.bytes_monitoring = 0
         self.bytes_data = 0
         self.bytes_control = 0
+        self.bytes_in_process = 0  # the part of bytes_sent that a population's replicas swapped inside one process
 
     @contextlib.contextmanager
     def metered(self, kind: str) -> Iterator[None]:
         """Count the bytes sent inside the block in ``bytes_<kind>`` (monitoring, data), not ``bytes_sent``."""
-        before = self.bytes_sent
+        before, inside = self.bytes_sent, self.bytes_in_process
         try:
             yield
         finally:
             setattr(self, f"bytes_{kind}", getattr(self, f"bytes_{kind}") + self.bytes_sent - before)
-            self.bytes_sent = before
+            self.bytes_sent, self.bytes_in_process = before, inside
 
     def monitoring(self):
         """Bytes sent inside the block only measure (consensus-model evaluations): not training traffic."""

@@ -1,0 +1,587 @@
+"""Populations: N logical replicas on P MPI processes, each replica the same per-rank engine as a greenlet.
+
+A process hosts a contiguous block of N/P replicas (``core.placement``). Each
+replica runs the unchanged engine against a ``ReplicaWorld``: the ``World``
+interface with the replica's logical rank and the world size N. Its blocking
+calls do not reach MPI; they hand an operation to the process's ``Hub`` and
+switch to it (``greenlet``: cooperative, one replica runs at a time, in a fixed
+order, so a run is deterministic). The hub:
+
+- completes a point-to-point exchange between two replicas of the process by
+  copying the two buffers (no MPI; the bytes are counted as ``bytes_in_process``);
+- posts one between processes as a non-blocking ``Isend``/``Irecv`` pair whose
+  tag names both replicas, so the process can go on running its other replicas
+  while it is in flight (two replicas blocked in each other's process cannot
+  deadlock: every replica still waits in exactly the calls it would wait in as
+  a process of its own, and the engine's exchange order is deadlock-free);
+- runs a collective once every replica of the process has entered it: inside
+  the process a pairwise tree in rank order (``placement.tree_sum``), across
+  processes one MPI collective of the process's block. For N and P powers of
+  two the sums have the bits of an MPI Allreduce over N processes.
+
+Everything a replica computes is its own (its torch RNG is swapped in and out
+with it), so placement changes no result. Work the replicas of a process would
+all repeat on the same inputs (the exchange list of a unit, a round's
+clustering, the dataset) is computed once: ``shared``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..core.placement import Placement, tree_sum
+from ..errors import ConfigError, Disagreement
+from .membership import Membership
+from .p2p import Tag
+from .traffic import Traffic
+
+_START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
+TAG_KINDS = 16  # message kinds (``p2p.Tag``) below this: a network tag is (src, dst, kind)
+
+
+def refusal(cfg, processes: int) -> Optional[str]:
+    """Why ``cfg`` cannot run with several replicas per process, naming the key (None: it can)."""
+    n = cfg.world_size
+    if n is None or n == processes:
+        return None
+    if n % processes:
+        try:
+            Placement(n, processes)
+        except ValueError as exc:
+            return str(exc)
+    why = []
+    if cfg.protocol == "async":
+        why.append("protocol=async (its replicas serve each other between batches: one replica per process)")
+    if cfg.comm.fault_tolerance == "shrink":
+        why.append("comm.fault_tolerance=shrink (a lost process would take a block of replicas)")
+    if cfg.device not in ("cpu",):
+        why.append(f"device={cfg.device!r} (replicas in one process run on the CPU for now)")
+    for key in ("kill", "speed"):
+        if getattr(cfg.faults, key):
+            why.append(f"faults.{key} (it acts on a process)")
+    if cfg.faults.stall_rank is not None:
+        why.append("faults.stall_rank (it stalls a process)")
+    if not why:
+        return None
+    return (f"world_size={n} replicas on {processes} MPI processes ({n // processes} per process) does not "
+            f"support {'; '.join(why)}: start {n} processes, one replica each")
+
+
+# ---------------------------------------------------------------- what a replica waits on
+
+
+@dataclass
+class Collective:
+    """A replica's part of a collective: which one, and what it brings."""
+
+    name: str
+    what: str
+    value: Any = None
+    root: int = 0
+    op: str = "sum"
+
+
+@dataclass
+class Exchange:
+    """A replica's blocking Sendrecv with ``peer``: its send buffer and where the peer's bytes go."""
+
+    peer: int
+    tag: int
+    send: np.ndarray
+    recv: np.ndarray
+    requests: List[Any] = field(default_factory=list)  # between processes: the Irecv and Isend in flight
+
+
+class Hub:
+    """One process's scheduler of its replicas: runs them one at a time and completes what they wait on."""
+
+    def __init__(self, world, replicas: int):
+        self.world = world  # the process's own World (real MPI between processes)
+        self.placement = Placement(replicas, world.size)
+        self.block = self.placement.block(world.rank)
+        b = self.placement.per_process
+        if b * b * TAG_KINDS > world.tag_limit:
+            raise ConfigError(f"world_size={replicas} on {world.size} processes puts {b} replicas in each, more "
+                              f"than this MPI's tags can name pairwise (MPI_TAG_UB {world.tag_limit}): start more "
+                              f"processes")
+        self.memo: Dict[Hashable, Any] = {}
+        self._timeout_set: Optional[float] = None
+        self._glets: Dict[int, Any] = {}
+        self._rng: Dict[int, torch.Tensor] = {}
+        self._main: Any = None
+        self._p2p: Dict[int, Exchange] = {}  # waiting for a partner in this process
+        self._network: Dict[int, Exchange] = {}  # in flight between processes
+        self._collective: Dict[int, Collective] = {}
+        self.running: Optional[int] = None
+
+    # ------------------------------------------------------------ the schedule
+
+    def run(self, target: Callable[["ReplicaWorld"], Any]) -> List[Any]:
+        """Run ``target(world)`` for every replica of this process; their results in rank order.
+
+        An exception in any replica is raised here at once (the process then fails as a rank would).
+        """
+        import greenlet
+
+        self._main = greenlet.getcurrent()
+        start = torch.get_rng_state()
+        self._glets = {}
+        for r in self.block:
+            w = ReplicaWorld(self, r)
+            self._glets[r] = greenlet.greenlet(lambda w=w: target(w))
+            self._rng[r] = start.clone()
+        results: Dict[int, Any] = {}
+        ready: Deque[Tuple[int, Any]] = deque((r, _START) for r in self.block)
+        try:
+            while len(results) < len(self.block):
+                while ready:
+                    r, value = ready.popleft()
+                    out = self._resume(r, value)
+                    if self._glets[r].dead:
+                        results[r] = out
+                    else:
+                        ready.extend(self._post(r, out))
+                if len(results) == len(self.block):
+                    break
+                if len(self._collective) + len(results) == len(self.block) and self._collective:
+                    ready.extend(self._run_collective(results))
+                elif self._network:
+                    ready.extend(self._wait_network())
+                else:
+                    raise RuntimeError(f"replicas of process {self.world.rank} wait on each other: "
+                                       f"{self._describe(results)}")
+        finally:
+            torch.set_rng_state(start)
+            self._glets = {}
+        return [results[r] for r in self.block]
+
+    def _resume(self, r: int, value: Any) -> Any:
+        torch.set_rng_state(self._rng[r])
+        self.running = r
+        try:
+            return self._glets[r].switch() if value is _START else self._glets[r].switch(value)
+        finally:
+            self.running = None
+            self._rng[r] = torch.get_rng_state()
+
+    def wait(self, op) -> Any:
+        """Called by the running replica: hand ``op`` to the hub and sleep until it is complete."""
+        return self._main.switch(op)
+
+    def _describe(self, results: Dict[int, Any]) -> str:
+        parts = [f"replica {r} in {c.what}" for r, c in sorted(self._collective.items())]
+        parts += [f"replica {r} in a Sendrecv with replica {x.peer}" for r, x in sorted(self._p2p.items())]
+        parts += [f"replica {r} finished" for r in sorted(results)]
+        return "; ".join(parts)
+
+    # ------------------------------------------------------------ point to point
+
+    def _post(self, r: int, op) -> List[Tuple[int, Any]]:
+        if isinstance(op, Collective):
+            self._collective[r] = op
+            return []
+        if not isinstance(op, Exchange):
+            raise TypeError(f"replica {r} handed the hub {op!r}")
+        if not self.placement.same_process(r, op.peer):
+            self._send_network(r, op)
+            return []
+        other = self._p2p.get(op.peer)
+        if other is None or other.peer != r:
+            self._p2p[r] = op
+            return []
+        if other.tag != op.tag or other.send.nbytes != op.recv.nbytes or other.recv.nbytes != op.send.nbytes:
+            raise Disagreement(f"replicas {r} and {op.peer} exchange different messages (tags {op.tag} and "
+                               f"{other.tag}, {op.send.nbytes} and {other.send.nbytes} bytes)")
+        del self._p2p[op.peer]
+        np.copyto(op.recv.reshape(-1).view(np.uint8), other.send.reshape(-1).view(np.uint8))
+        np.copyto(other.recv.reshape(-1).view(np.uint8), op.send.reshape(-1).view(np.uint8))
+        return sorted([(r, None), (op.peer, None)])
+
+    def _tag(self, kind: int, src: int, dst: int) -> int:
+        b = self.placement.per_process
+        return ((src % b) * b + dst % b) * TAG_KINDS + int(kind)
+
+    def _send_network(self, r: int, op: Exchange) -> None:
+        comm, proc = self.world.comm, self.placement.process_of(op.peer)
+        op.requests = [comm.Irecv(op.recv, source=proc, tag=self._tag(op.tag, op.peer, r)),
+                       comm.Isend(op.send, dest=proc, tag=self._tag(op.tag, r, op.peer))]
+        self._network[r] = op
+
+    def _wait_network(self) -> List[Tuple[int, Any]]:
+        """Wait until some exchange between processes completes; the replicas whose both halves did, to resume.
+
+        (mpi4py turns a completed request into ``REQUEST_NULL`` in place.)"""
+        MPI = self.world.MPI
+        requests = [q for op in self._network.values() for q in op.requests if q != MPI.REQUEST_NULL]
+        if requests:
+            what = f"Sendrecv of replicas {sorted(self._network)[:8]} with other processes"
+            with self.world.watchdog.waiting(what):
+                MPI.Request.Waitsome(requests)
+        done = sorted(r for r, op in self._network.items() if all(q == MPI.REQUEST_NULL for q in op.requests))
+        for r in done:
+            del self._network[r]
+        return [(r, None) for r in done]
+
+    # ------------------------------------------------------------ collectives
+
+    def _run_collective(self, finished: Dict[int, Any]) -> List[Tuple[int, Any]]:
+        if finished:
+            raise RuntimeError(f"replicas of process {self.world.rank} finished while others wait in a collective: "
+                               f"{self._describe(finished)}")
+        ops = [self._collective[r] for r in self.block]
+        names = {op.name for op in ops}
+        if len(names) > 1:
+            raise Disagreement(f"the replicas of process {self.world.rank} entered different collectives: "
+                               f"{self._describe({})}")
+        self._collective = {}
+        results = getattr(self, f"_c_{ops[0].name}")(ops)
+        return list(zip(self.block, results))
+
+    def _c_allgather(self, ops: List[Collective]) -> List[Any]:
+        block = np.stack([np.ascontiguousarray(op.value) for op in ops])
+        out = np.empty((self.world.size,) + block.shape, dtype=block.dtype)
+        with self.world.collective(ops[0].what):
+            self.world.comm.Allgather(block, out)
+        out = out.reshape((self.placement.replicas,) + block.shape[1:])
+        out.setflags(write=False)  # one array for every replica of the process: read it, do not change it
+        return [out] * len(ops)
+
+    def _c_allreduce(self, ops: List[Collective]) -> List[Any]:
+        values = [op.value for op in ops]
+        if isinstance(values[0], torch.Tensor):
+            total = tree_sum(values) if ops[0].op == "sum" else None
+            if total is None:
+                raise ValueError(f"allreduce of tensors supports sum, not {ops[0].op!r}")
+            self.world.allreduce_sum_(total)
+            for v in values:
+                v.copy_(total)
+            return [v for v in values]
+        arrays = [np.asarray(v, dtype=np.float64) for v in values]
+        if ops[0].op == "sum":
+            local = tree_sum([torch.from_numpy(a) for a in arrays]).numpy()
+        else:
+            local = (np.maximum if ops[0].op == "max" else np.minimum).reduce(np.stack(arrays))
+        total = self.world.allreduce_array(local, ops[0].op, what=ops[0].what)
+        return [total.copy() for _ in ops]
+
+    def _c_bcast(self, ops: List[Collective]) -> List[Any]:
+        root = ops[0].root
+        proc = self.placement.process_of(root)
+        values = [op.value for op in ops]
+        mine = values[self.block.index(root)] if root in self.block else values[0]
+        if isinstance(mine, torch.Tensor):
+            buf = mine.detach().clone()
+            self.world.bcast_(buf, root=proc)
+            for v in values:
+                v.copy_(buf)
+            return values
+        shape, dtype = ops[0].value[1], ops[0].value[2]
+        arr = mine[0] if root in self.block else None
+        got = self.world.bcast_array(arr, shape, dtype, root=proc, what=ops[0].what)
+        return [got.copy() for _ in ops]
+
+    def _c_gather_rows(self, ops: List[Collective]) -> List[Any]:
+        root = ops[0].root
+        rows = [np.ascontiguousarray(op.value, dtype=np.float64) for op in ops]
+        width = rows[0].shape[1] if rows[0].ndim == 2 else 0
+        counts = self.world.allgather(np.array([r.shape[0] if width else 0 for r in rows], dtype=np.int64))
+        local = np.concatenate([r.reshape(-1, width) for r in rows]) if width else np.zeros((0, 0))
+        blocks = self.world.gather_rows(local, root=self.placement.process_of(root))
+        out: List[Any] = [None] * len(ops)
+        if blocks is not None:
+            per: List[np.ndarray] = []
+            for p, block in enumerate(blocks):
+                offsets = np.concatenate([[0], np.cumsum(counts[p])])
+                for k in range(len(counts[p])):
+                    per.append(block[offsets[k]: offsets[k + 1]] if width else np.zeros((0, 0)))
+            out[self.block.index(root)] = per
+        return out
+
+    def _c_group_mean(self, ops: List[Collective]) -> List[Any]:
+        """Each replica's tensor becomes the mean over the replicas of its color (of those that count)."""
+        colors = self.world.allgather(np.array([op.value[1] for op in ops], dtype=np.int64)).reshape(-1)
+        palette = np.unique(colors)
+        tensors = [op.value[0] for op in ops]
+        sums = torch.zeros((len(palette),) + tuple(tensors[0].shape), dtype=tensors[0].dtype)
+        counted = np.zeros(len(palette))
+        for c, color in enumerate(palette):
+            members = [(t if op.value[2] else torch.zeros_like(t)) for t, op in zip(tensors, ops)
+                       if op.value[1] == color]
+            if members:
+                sums[c].copy_(tree_sum(members))
+                counted[c] = sum(1 for op in ops if op.value[1] == color and op.value[2])
+        self.world.allreduce_sum_(sums.view(-1))
+        counted = self.world.allreduce_array(counted)
+        out = []
+        for t, op in zip(tensors, ops):
+            c = int(np.searchsorted(palette, op.value[1]))
+            t.copy_(sums[c]).div_(max(int(counted[c]), 1))
+            out.append(int(counted[c]))
+        return out
+
+    def _c_barrier(self, ops: List[Collective]) -> List[Any]:
+        self.world.barrier(ops[0].what)
+        return [None] * len(ops)
+
+    def _c_local_rank(self, ops: List[Collective]) -> List[Any]:
+        return [self.world.local_rank] * len(ops)
+
+    # ------------------------------------------------------------ what every replica shares
+
+    def shared(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per process for ``key``: the same object for every replica (read it, do not change it)."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
+    def set_timeout(self, timeout: float) -> None:
+        if self._timeout_set != timeout:
+            self._timeout_set = timeout
+            self.world.set_timeout(timeout)
+
+
+class _QuietWatchdog:
+    """A replica's watchdog: the hub's process watches the MPI calls; a replica has only a context to show."""
+
+    context = ""
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, seq: Optional[int] = None) -> Iterator[None]:
+        yield
+
+
+class _Done:
+    """A non-blocking collective that completed when it was posted."""
+
+    def Wait(self) -> None:
+        return None
+
+    def Test(self) -> bool:
+        return True
+
+
+class ReplicaWorld(Traffic):
+    """One replica's view of the job: ``World``'s calls, over N logical replicas, completed by the ``Hub``."""
+
+    shrinks = False
+    cuda_aware = False
+
+    def __init__(self, hub: Hub, rank: int):
+        Traffic.__init__(self)
+        self.hub, self.rank = hub, int(rank)
+        self.membership = Membership(hub.placement.replicas)
+        self.watchdog = _QuietWatchdog()
+        self.processes = hub.placement.processes
+        self.process = hub.world.rank
+
+    # ------------------------------------------------------------ who
+
+    @property
+    def size(self) -> int:
+        return self.membership.size
+
+    @property
+    def members(self) -> np.ndarray:
+        return self.membership.members
+
+    @property
+    def alive(self) -> np.ndarray:
+        return self.membership.alive
+
+    @property
+    def n_alive(self) -> int:
+        return self.membership.n_alive
+
+    @property
+    def whole(self) -> bool:
+        return True
+
+    @property
+    def placement(self) -> Placement:
+        return self.hub.placement
+
+    def shared(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        return self.hub.shared(key, compute)
+
+    @property
+    def local_rank(self) -> int:
+        return self.hub.wait(Collective("local_rank", "Comm.Split_type of the ranks on this node"))
+
+    def hostnames(self) -> List[str]:
+        return self.allgather_text(__import__("socket").gethostname(), width=64)
+
+    @staticmethod
+    def library_version() -> str:
+        from . import launcher
+
+        return launcher.library_version()
+
+    # ------------------------------------------------------------ set-up and the end
+
+    def set_timeout(self, timeout: float) -> None:
+        self.hub.set_timeout(timeout)
+
+    def collective(self, what: str):
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """The process's world is closed by the command, once."""
+
+    def abort(self, code: int = 1) -> None:
+        self.hub.world.abort(code)
+
+    def enable_shrink(self) -> None:
+        raise ConfigError("comm.fault_tolerance=shrink runs one replica per MPI process")
+
+    def recover(self) -> List[int]:
+        raise RuntimeError("a population cannot shrink")
+
+    def set_membership(self, members: List[int], size: int) -> None:
+        raise ConfigError(f"this run directory was left by the survivors of a lost rank ({len(members)} of {size} "
+                          "replicas); resume it with one process per surviving replica")
+
+    def _unsupported(self, *args, **kwargs):
+        raise ConfigError("protocol=async runs one replica per MPI process")
+
+    post_ints = poll_ints = recv_ints = complete_posts = ibarrier = _unsupported
+
+    # ------------------------------------------------------------ collectives (counted as World counts them)
+
+    def _ring(self, nbytes: int, n: int) -> int:
+        return int(2 * (n - 1) * nbytes // max(n, 1))
+
+    def _gather(self, row: np.ndarray, what: str) -> np.ndarray:
+        return self.hub.wait(Collective("allgather", what, np.ascontiguousarray(row)))
+
+    def allgather(self, row: np.ndarray) -> np.ndarray:
+        row = np.ascontiguousarray(row)
+        out = self._gather(row, "Allgather")
+        self.bytes_sent += row.nbytes * (self.size - 1)
+        return out
+
+    def allgather_text(self, text: str, width: int = 512) -> List[str]:
+        raw = np.frombuffer(text.encode()[:width].ljust(width, b"\0"), dtype=np.uint8)
+        out = self._gather(raw, "Allgather of text")
+        self.bytes_control += width * (self.size - 1)
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
+
+    def iallgather(self, row: np.ndarray, what: str = "Iallgather"):
+        """Completed at once (every replica of the process posts it at the same point): (request, out, row)."""
+        row = np.array(row, copy=True, order="C")
+        out = self._gather(row, what)
+        self.bytes_sent += row.nbytes * (self.size - 1)
+        return _Done(), out, row
+
+    def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("a population's Allreduce needs a contiguous CPU tensor")
+        self.hub.wait(Collective("allreduce", "Allreduce", t))
+        self.bytes_sent += self._ring(t.numel() * t.element_size(), self.size)
+        return t
+
+    def allreduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
+        self.allreduce_sum_(t)
+        return t.div_(self.size)
+
+    def allreduce_scalar(self, value: float, op: str = "sum") -> float:
+        return float(self.allreduce_array(np.array([value], dtype=np.float64), op, what="Allreduce of a scalar")[0])
+
+    def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
+        if op not in ("sum", "max", "min"):
+            raise KeyError(op)
+        buf = np.array(values, dtype=np.float64, copy=True)
+        out = self.hub.wait(Collective("allreduce", what, buf, op=op))
+        self.bytes_control += self._ring(buf.nbytes, self.size)
+        return out
+
+    def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
+        send = np.ascontiguousarray(counts, dtype=np.int64)
+        table = self._gather(send, "Alltoall of counts")
+        self.bytes_control += send.nbytes * (self.size - 1) // max(self.size, 1)
+        return np.ascontiguousarray(table[:, self.rank])
+
+    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        self.hub.wait(Collective("bcast", f"Bcast from rank {root}", t, root=root))
+        self._bcast_bytes(t.numel() * t.element_size(), root)
+        return t
+
+    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0, what: str = "Bcast") -> np.ndarray:
+        mine = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else None
+        shape = tuple(int(k) for k in np.atleast_1d(shape))
+        out = self.hub.wait(Collective("bcast", what, (mine, shape, dtype), root=root))
+        self._bcast_bytes(out.nbytes, root)
+        return out
+
+    def bcast_text(self, text: Optional[str], root: int = 0) -> str:
+        data = text.encode() if self.rank == root and text is not None else b""
+        what = "Bcast of text"
+        n = self.bcast_array(np.array([len(data)], dtype=np.int64), (1,), np.int64, root, what)
+        buf = self.bcast_array(np.frombuffer(data, dtype=np.uint8).copy(), (int(n[0]),), np.uint8, root, what)
+        return bytes(buf).decode()
+
+    def _bcast_bytes(self, nbytes: int, root: int) -> None:
+        if self.rank == root:
+            self.bytes_control += nbytes * (self.size - 1)
+
+    def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
+        rows = np.ascontiguousarray(rows, dtype=np.float64)
+        self.bytes_control += 8 * (self.size - 1) + (rows.nbytes if self.rank != root else 0)
+        return self.hub.wait(Collective("gather_rows", f"Gatherv of log rows to rank {root}", rows, root=root))
+
+    def agree(self, digest: bytes, what: str) -> None:
+        got = self.allgather(np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8))
+        bad = [int(r) for r in self.members if not np.array_equal(got[r], got[0])]
+        if bad:
+            raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
+
+    def group_mean_(self, t: torch.Tensor, color: int, counts: bool = True) -> int:
+        n = self.hub.wait(Collective("group_mean", "Allreduce inside a group of replicas", (t, int(color),
+                                                                                             bool(counts))))
+        self.bytes_sent += self._ring(t.numel() * t.element_size(), n)
+        return n
+
+    def split(self, color: int):
+        raise NotImplementedError("a population has no communicator per color: use group_mean_")
+
+    def barrier(self, what: str = "Barrier") -> None:
+        self.hub.wait(Collective("barrier", what))
+
+    # ------------------------------------------------------------ point to point
+
+    def _swap(self, send: np.ndarray, recv: np.ndarray, peer: int, tag: int) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"replica {self.rank} cannot exchange with rank {peer}")
+        self.hub.wait(Exchange(int(peer), int(tag), send, recv))
+        if self.hub.placement.same_process(self.rank, peer):
+            self.bytes_in_process += send.nbytes
+
+    def sendrecv(self, send: torch.Tensor, recv: torch.Tensor, peer: int, tag: int = 0) -> None:
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError("sendrecv needs contiguous tensors")
+        self._swap(send.detach().numpy(), recv.detach().numpy(), peer, tag)
+        self.bytes_sent += send.numel() * send.element_size()
+
+    def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
+        send = np.ascontiguousarray(send)
+        recv = np.empty_like(send)
+        self._swap(send, recv, peer, tag)
+        self.bytes_sent += send.nbytes
+        return recv
+
+    def sendrecv_vector(self, send: np.ndarray, peer: int, tag: int) -> np.ndarray:
+        send = np.ascontiguousarray(send, dtype=np.float64).reshape(-1)
+        n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
+        recv = np.empty(int(n[0]), dtype=np.float64)
+        self._swap(send, recv, peer, tag)
+        self.bytes_sent += send.nbytes
+        return recv
+
+
+def run_population(world, replicas: int, target: Callable[[Any], Any]) -> List[Any]:
+    """Run ``target(replica_world)`` for this process's block of ``replicas``; returns their results."""
+    return Hub(world, replicas).run(target)
