@@ -11,6 +11,7 @@ proceed, so there is no cycle of waits and no deadlock.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from enum import IntEnum
 from typing import Callable, List, Sequence, Tuple
@@ -44,12 +45,20 @@ def merge_interval(seed: int, t: int, i: int, lam: float) -> int:
     return 1 + int(rng(seed, Purpose.TIMER, t, i).poisson(max(lam - 1.0, 0.0)))
 
 
+@functools.lru_cache(maxsize=8)
+def _first_fires(n: int, seed: int, lam: float, start: int) -> np.ndarray:
+    """Every rank's first merge time (drawn once per process: a population's replicas each hold a clock)."""
+    out = np.array([start + merge_interval(seed, start, i, lam) for i in range(n)], dtype=np.int64)
+    out.setflags(write=False)
+    return out
+
+
 class MergeClock:
     """The merge timers of all N ranks, held identically by every rank."""
 
     def __init__(self, n: int, seed: int, lam: float, *, start: int = 0):
         self.n, self.seed, self.lam = int(n), int(seed), float(lam)
-        self.next_fire = np.array([start + merge_interval(seed, start, i, lam) for i in range(n)], dtype=np.int64)
+        self.next_fire = _first_fires(self.n, self.seed, self.lam, int(start)).copy()
 
     def fire(self, t: int) -> np.ndarray:
         """Ranks whose timer fires at t (increasing order); their timers are re-armed."""

@@ -160,12 +160,18 @@ class Gossip(Strategy):
 
     def mix(self, t: int, mixer: Mixing) -> None:
         """Every rank derives the same ordered exchange list and performs its own exchanges in list order."""
-        initiators = self.clock.fire(t)
-        # the list, and each rank's part of it, once for every replica of a process (a population)
+        # the timers' draws, the list, and each rank's part of it: once for every replica of a process (a population)
+        initiators, rearmed = mixer.world.shared(("fire", t), lambda: self._fire(t))
+        self.clock.next_fire[initiators] = rearmed  # (where another replica drew them: this clock follows)
         plan, by_rank = mixer.world.shared(("exchanges", t), lambda: self._plan(t, initiators, mixer.unavailable))
         mixer.agreement.update(plan)
         for partner, (initiator, _) in by_rank.get(mixer.rank, ()):
             mixer.exchange(t, partner, initiator)
+
+    def _fire(self, t: int) -> tuple:
+        """(the ranks whose timer fires at t, their timers re-armed)."""
+        due = self.clock.fire(t)
+        return due, self.clock.next_fire[due].copy()
 
     def _plan(self, t: int, initiators: np.ndarray, unavailable: np.ndarray) -> tuple:
         """(unit t's exchange list as an (E, 2) array, {rank: its (partner, exchange) in list order})."""

@@ -251,6 +251,17 @@ class Hub:
         out.setflags(write=False)  # one array for every replica of the process: read it, do not change it
         return [out] * len(ops)
 
+    def _c_allgather_text(self, ops: List[Collective]) -> List[Any]:
+        rows = self._c_allgather(ops)[0]
+        texts = tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
+        return [texts] * len(ops)
+
+    def _c_agree(self, ops: List[Collective]) -> List[Any]:
+        """The ranks whose digest differs from rank 0's (found once for the process)."""
+        rows = self._c_allgather(ops)[0]
+        bad = np.flatnonzero((rows != rows[0]).any(axis=1)).tolist()
+        return [bad] * len(ops)
+
     def _c_allreduce(self, ops: List[Collective]) -> List[Any]:
         values = [op.value for op in ops]
         if isinstance(values[0], torch.Tensor):
@@ -466,9 +477,9 @@ class ReplicaWorld(Traffic):
 
     def allgather_text(self, text: str, width: int = 512) -> List[str]:
         raw = np.frombuffer(text.encode()[:width].ljust(width, b"\0"), dtype=np.uint8)
-        out = self._gather(raw, "Allgather of text")
+        texts = self.hub.wait(Collective("allgather_text", "Allgather of text", raw))
         self.bytes_control += width * (self.size - 1)
-        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
+        return list(texts)
 
     def iallgather(self, row: np.ndarray, what: str = "Iallgather"):
         """Completed at once (every replica of the process posts it at the same point): (request, out, row)."""
@@ -534,8 +545,9 @@ class ReplicaWorld(Traffic):
         return self.hub.wait(Collective("gather_rows", f"Gatherv of log rows to rank {root}", rows, root=root))
 
     def agree(self, digest: bytes, what: str) -> None:
-        got = self.allgather(np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8))
-        bad = [int(r) for r in self.members if not np.array_equal(got[r], got[0])]
+        row = np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8)
+        bad = self.hub.wait(Collective("agree", f"Allgather of digests ({what})", row))
+        self.bytes_sent += row.nbytes * (self.size - 1)
         if bad:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 

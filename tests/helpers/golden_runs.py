@@ -145,14 +145,17 @@ def record_of(run_dir: Path) -> dict:
     }
 
 
-def run_one(name: str, root: Path, timeout: float = 900) -> dict:
-    """Run golden entry ``name`` under ``root`` as its own mpiexec job, on the pinned kernels; returns its record."""
+def run_one(name: str, root: Path, timeout: float = 900, processes: int = 0) -> dict:
+    """Run golden entry ``name`` under ``root`` as its own mpiexec job, on the pinned kernels; returns its record.
+
+    ``processes`` (0: one per replica) places the entry's replicas on that many MPI processes (a population):
+    placement must not change any recorded figure."""
     from tests.helpers.mpi import mpi_command, run_command
 
     n, config, _ = RUNS[name]
     args = ["-m", "communities", "run", ROOT / config, f"output.root={root}", "--no-progress", "--overwrite",
-            *job_overrides(name)]
-    run_command(mpi_command(n, args), timeout, f"golden run {name}", env=KERNEL_ENV)
+            *job_overrides(name), *([f"world_size={n}"] if processes else [])]
+    run_command(mpi_command(processes or n, args), timeout, f"golden run {name}", env=KERNEL_ENV)
     return record_of(root / name)
 
 
@@ -162,6 +165,8 @@ def main(argv=None) -> int:
     mode.add_argument("--record", metavar="JSON")
     mode.add_argument("--check", metavar="JSON")
     p.add_argument("--only", nargs="*", default=None, help="run these entries only")
+    p.add_argument("--processes", type=int, default=0,
+                   help="run each entry's replicas on this many MPI processes (default: one per replica)")
     args = p.parse_args(argv)
     names = args.only or list(RUNS)
     path = Path(args.record or args.check)
@@ -173,7 +178,7 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="golden_") as tmp:
         for name in names:
-            got = run_one(name, Path(tmp))
+            got = run_one(name, Path(tmp), processes=args.processes)
             if args.record:
                 table.setdefault("runs", {})[name] = got
                 print(f"{name}: {got['consensus_pt_sha256']} acc {got['consensus_test_acc']}", flush=True)
