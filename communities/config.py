@@ -152,6 +152,16 @@ class TrainConfig(_Section):
         None, gt=0, description="seconds of wall clock: under protocol async each rank stops training after this "
         "long; under the virtual clock every rank stops at the first signature round past it (null: none)")
     eval_every: int = Field(10, ge=1, description="units between test evaluations")
+    vectorize: Literal["off", "on", "auto"] = Field(
+        "off", description="a population's replicas in one process trained as one stacked model (torch.func.vmap): "
+        "equal to the sequential path within float tolerance, not bitwise; auto: where 2+ replicas share a process "
+        "and the model qualifies (no buffers, no dropout, no examples.track, no per-batch faults)")
+
+    @field_validator("vectorize", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v):
+        """YAML reads a bare on/off as true/false."""
+        return ("on" if v else "off") if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _betas(self):

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from ..core import merge, protocol, robust
+from ..errors import ConfigError
 from ..results import MetricRow
 from ..runtime.collective import on_every_rank
 from ..runtime.comm import World
-from ..workload import models, train
+from ..workload import models, train, vectorized
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
 from .replica_data import ReplicaData, load_replica_data
@@ -48,6 +49,7 @@ class Replica:
     n_params: int  # how many leading values of ``flat`` are parameters
     opt: torch.optim.Optimizer
     tracker: Optional[ExampleTracker]  # examples.track: which examples each unit trains on
+    vectorized: bool  # train.vectorize: the replicas of this process train as one stacked model
     # training progress, what a partner is told at an exchange and what the summary reports
     samples: int
     recent_loss: float
@@ -61,9 +63,9 @@ class Replica:
 
     def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
-                 tracker: Optional[ExampleTracker]):
+                 tracker: Optional[ExampleTracker], vectorized: bool = False):
         self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
-        self.rank, self.data, self.tracker = world.rank, placed, tracker
+        self.rank, self.data, self.tracker, self.vectorized = world.rank, placed, tracker, vectorized
         self.model, self.flat, self.n_params = model, flat, n_params
         self.opt = train.make_optimizer(cfg.train, model.parameters())
         self.samples = 0
@@ -81,9 +83,10 @@ class Replica:
                     f"model parameter shapes and dtypes (this rank: {len(flat)} values)")
         if cfg.model.init == "shared":
             world.bcast_(flat, root=0)
+        vectorized = on_every_rank(world, lambda: _stacked(cfg, world, model, placed))
         torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
         return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,
-                   n_params=n_params, tracker=tracker)
+                   n_params=n_params, tracker=tracker, vectorized=vectorized)
 
     def adopt(self, ranks: List[int]) -> None:
         """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""
@@ -106,15 +109,18 @@ class Replica:
         ``between_batches`` (the asynchronous mixer's serving) runs after every batch.
         """
         cfg = self.cfg
+        if self.vectorized:
+            res = self._train_stacked(t, steps)
         with self.timer("train"):
-            x, y, rows = self.data.x, self.data.y, None
-            if self.tracker is not None:
-                rows = self.tracker.training_rows(t)
-                x, y = self.tracker.view(rows)
-            res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
-                                   grad_sync=grad_sync, between_batches=self._batch_hook(t, between_batches))
-            if self.tracker is not None and rows is not None:
-                self.tracker.trained(rows)
+            if not self.vectorized:
+                x, y, rows = self.data.x, self.data.y, None
+                if self.tracker is not None:
+                    rows = self.tracker.training_rows(t)
+                    x, y = self.tracker.view(rows)
+                res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
+                                       grad_sync=grad_sync, between_batches=self._batch_hook(t, between_batches))
+                if self.tracker is not None and rows is not None:
+                    self.tracker.trained(rows)
             self.faults.during_unit(t)
         self.faults.after_unit(t, self.flat)
         self.samples += res.samples
@@ -138,6 +144,24 @@ class Replica:
             self.test_acc, self.test_loss = test_acc, test_loss
         return MetricRow(t, res.loss, res.accuracy, test_acc, test_loss, self.samples, self.world.bytes_sent,
                          self.timer.elapsed(), local_acc, local_loss)
+
+    def _train_stacked(self, t: int, steps: Optional[int]) -> train.UnitResult:
+        """Unit t trained together with the process's other replicas, as one stacked model (train.vectorize).
+
+        The step is waited for as idle; each replica's share of its seconds is then counted as training."""
+        cfg = self.cfg
+        member = vectorized.Member(self.model, self.opt, self.flat, self.data.x, self.data.y, self.rank)
+
+        def step(members: List[vectorized.Member]) -> list:
+            trainer = self.world.shared(("stacked trainer", len(members)), lambda: vectorized.StackedTrainer(
+                members[0].model, torch.zeros((len(members), self.n_params), dtype=self.flat.dtype), cfg.train,
+                name=cfg.model.name))
+            return vectorized.train_members(trainer, members, cfg.seed, t, steps)
+
+        with self.timer("idle"):
+            res, seconds = self.world.together(("train", t), member, step)
+        self.timer.reassign(seconds, "idle", "train")
+        return res
 
     def _batch_hook(self, t: int, serve: Optional[Callable[[], None]]) -> Optional[Callable[[int], None]]:
         """What runs between batches: an injected slowdown of this batch, then serving partners."""
@@ -250,6 +274,27 @@ class Replica:
             if state["examples"] is None:
                 raise ValueError("it has no example table, but examples.track is on")
             self.tracker.load_state_dict(state["examples"])
+
+
+def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: ReplicaData) -> bool:
+    """train.vectorize: whether this process's replicas train as one stacked model (a ConfigError for ``on``
+    where they cannot: what acts inside one replica's own batches, or a model vmap cannot stack)."""
+    mode = cfg.train.vectorize
+    if mode == "off":
+        return False
+    inside = [key for key, on in (("examples.track", cfg.examples.track), ("strategy=allreduce",
+                                                                          cfg.strategy == "allreduce"),
+                                  ("protocol=async", cfg.protocol == "async"),
+                                  ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0))
+              if on]
+    if inside:
+        if mode == "on":
+            raise ConfigError(f"train.vectorize=on cannot apply with {', '.join(inside)}: each acts inside one "
+                              "replica's own batches (use train.vectorize: off or auto)")
+        return False
+    per = world.size // world.processes
+    return world.shared(("vectorize",), lambda: vectorized.resolve_vectorize(
+        mode, model, per, sample=(placed.x[:4], placed.y[:4]), name=cfg.model.name))
 
 
 def _build_model(cfg: "Config", world: World, device: torch.device, placed: ReplicaData

@@ -110,6 +110,14 @@ class Timer:
         self.call_categories.clear()
         return moved
 
+    def reassign(self, seconds: float, source: str, target: str) -> None:
+        """Move ``seconds`` already counted in ``source`` to ``target``: a population's stacked training step,
+        which every replica of the process waited through, is each one's share of training."""
+        src, dst = TimeCategory(source).value, TimeCategory(target).value
+        moved = min(float(seconds), self.total[src])
+        self.total[src] -= moved
+        self.total[dst] += moved
+
     def split(self) -> Dict[str, float]:
         """Seconds per category so far, the section still open included (they add up to ``elapsed()``)."""
         out = dict(self.total)

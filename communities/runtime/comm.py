@@ -119,6 +119,10 @@ class World(PointToPoint):
         """``compute()``: what the replicas of one process compute once for all (``population.Hub.shared``)."""
         return compute()
 
+    def together(self, key, item, compute):
+        """``compute([item])[0]``: what a population's replicas of one process do as one (``population``)."""
+        return compute([item])[0]
+
     # ---------------------------------------------------------------- the watchdog
 
     def close(self) -> None:

@@ -335,6 +335,14 @@ class Hub:
             out.append(int(counted[c]))
         return out
 
+    def _c_together(self, ops: List[Collective]) -> List[Any]:
+        """Work the replicas of the process do as one (no MPI): ``compute(items)``, one result per replica."""
+        compute = ops[0].value[1]
+        out = list(compute([op.value[0] for op in ops]))
+        if len(out) != len(ops):
+            raise RuntimeError(f"{ops[0].what}: {len(out)} results for {len(ops)} replicas")
+        return out
+
     def _c_barrier(self, ops: List[Collective]) -> List[Any]:
         self.world.barrier(ops[0].what)
         return [None] * len(ops)
@@ -418,6 +426,11 @@ class ReplicaWorld(Traffic):
 
     def shared(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         return self.hub.shared(key, compute)
+
+    def together(self, key: Hashable, item: Any, compute: Callable[[List[Any]], List[Any]]) -> Any:
+        """Wait until every replica of the process brings its ``item``; ``compute(items)`` runs once, in rank
+        order, and each replica gets its own result (a stacked training step: ``train.vectorize``)."""
+        return self.hub.wait(Collective("together", f"work done together ({key})", (item, compute)))
 
     @property
     def local_rank(self) -> int:

@@ -32,6 +32,7 @@ leaves such a model on the sequential path.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -455,3 +456,85 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
                     "sequential_rps": R * units / seq, "vectorized_rps": R * units / vec, "speedup": seq / vec,
                     "max_abs_diff": float((ref - flats).abs().max())})
     return out
+
+
+# --------------------------------------------------------------------------- replicas that keep their own state
+
+
+@dataclass
+class Member:
+    """One replica's part in a stacked unit: its model and optimizer (whose state it keeps), weights and shard."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    flat: torch.Tensor  # the replica's flat buffer; its first ``n_params`` values are the parameters
+    x: torch.Tensor
+    y: torch.Tensor
+    rank: int
+
+
+def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int, t: int,
+                  steps: Optional[int] = None) -> List[Tuple[train.UnitResult, float]]:
+    """Unit t of every member as one stacked model: their weights and optimizer states are copied in, trained,
+    and copied back into each member's own buffers (a checkpoint, a merge or an exchange sees them as always).
+
+    Returns each member's (result, its share of the seconds the stacked step took).
+    """
+    start = time.perf_counter()
+    n = trainer.n_params
+    with torch.no_grad():
+        for r, m in enumerate(members):
+            trainer.flats[r].copy_(m.flat[:n])
+            _state_in(trainer, r, m)
+    results = trainer.train_unit([m.x for m in members], [m.y for m in members], [m.rank for m in members],
+                                 seed, t, steps)
+    with torch.no_grad():
+        for r, m in enumerate(members):
+            m.flat[:n].copy_(trainer.flats[r])
+            _state_out(trainer, r, m)
+    share = (time.perf_counter() - start) / max(len(members), 1)
+    return [(res, share) for res in results]
+
+
+def _state_in(trainer: StackedTrainer, r: int, m: Member) -> None:
+    """Member r's torch.optim state into the trainer's rows (none yet: its first step starts it, as torch's)."""
+    sgd = trainer.cfg.optimizer == "sgd"
+    params = list(m.model.parameters())
+    states = [m.opt.state.get(p) for p in params]
+    if not all(states) or (sgd and any(s.get("momentum_buffer") is None for s in states)):  # type: ignore[union-attr]
+        trainer.has_state[r] = False
+        return
+    for st, o, p in zip(states, trainer.offsets, params):
+        k = p.numel()
+        assert st is not None
+        if sgd:
+            trainer.momentum[r, o: o + k].copy_(st["momentum_buffer"].reshape(-1))
+        else:
+            assert trainer.second is not None
+            trainer.momentum[r, o: o + k].copy_(st["exp_avg"].reshape(-1))
+            trainer.second[r, o: o + k].copy_(st["exp_avg_sq"].reshape(-1))
+            trainer.step[r] = float(st["step"])
+    trainer.has_state[r] = True
+
+
+def _state_out(trainer: StackedTrainer, r: int, m: Member) -> None:
+    """The trainer's rows back into member r's torch.optim state, in torch's own keys and types."""
+    if not bool(trainer.has_state[r]):
+        return
+    sgd = trainer.cfg.optimizer == "sgd"
+    if sgd and trainer.cfg.momentum == 0:
+        return
+    for p, o in zip(m.model.parameters(), trainer.offsets):
+        k = p.numel()
+        st = m.opt.state[p]
+        rows = {"momentum_buffer": trainer.momentum} if sgd else {"exp_avg": trainer.momentum,
+                                                                  "exp_avg_sq": trainer.second}
+        for key, src in rows.items():
+            assert src is not None
+            value = src[r, o: o + k].view_as(p)
+            if st.get(key) is None:
+                st[key] = value.clone()
+            else:
+                st[key].copy_(value)
+        if not sgd:
+            st["step"] = torch.tensor(float(trainer.step[r]), dtype=torch.float32)
