@@ -152,6 +152,10 @@ class TrainConfig(_Section):
         None, gt=0, description="seconds of wall clock: under protocol async each rank stops training after this "
         "long; under the virtual clock every rank stops at the first signature round past it (null: none)")
     eval_every: int = Field(10, ge=1, description="units between test evaluations")
+    eval_samples: Optional[int] = Field(
+        None, ge=1, description="each replica's own test evaluations use the first this many examples of the test "
+        "split (null: all of it); the consensus model is always scored on the whole split. For populations, "
+        "whose N replicas would each score the whole split")
     vectorize: Literal["off", "on", "auto"] = Field(
         "off", description="a population's replicas in one process trained as one stacked model (torch.func.vmap): "
         "equal to the sequential path within float tolerance, not bitwise; auto: where 2+ replicas share a process "

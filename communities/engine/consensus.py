@@ -87,8 +87,8 @@ class Consensus:
         if t % every:
             return None
         with self.timer("eval"), self.world.monitoring():
-            mean = self.model()
-            acc, loss = self.replica.evaluate(mean)
+            mean = self.model()  # the same bits on every rank: scored once per process (a population)
+            acc, loss = self.world.shared(("consensus evaluation", t), lambda: self.replica.evaluate(mean))
             row = {"t": t, "test_acc": acc, "test_loss": loss}
             if self.replica.has_local_test:
                 local_acc, _ = self.replica.evaluate_local(mean)

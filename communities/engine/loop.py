@@ -237,8 +237,8 @@ class Engine:
         self.log.consensus_rows(self.consensus.curve())
         with self.world.monitoring():
             mean = self.consensus.model()
-        with self.timer(TimeCategory.EVAL):
-            acc, loss = replica.evaluate(mean)
+        with self.timer(TimeCategory.EVAL):  # the same bits on every rank: scored once per process (a population)
+            acc, loss = self.world.shared(("consensus evaluation", "end"), lambda: replica.evaluate(mean))
         distance = float(torch.dist(replica.flat, mean) / max(float(mean.norm()), 1e-12))
         # the round written at this very unit, if any (its snapshots are the weights delivered now)
         at_round = self.rounds.index - 1 if self.rounds.due(self.t) and self.rounds.index > 0 else None

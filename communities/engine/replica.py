@@ -138,7 +138,8 @@ class Replica:
         test_acc = test_loss = local_acc = local_loss = float("nan")
         if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
             with self.timer("eval"):
-                test_acc, test_loss = train.evaluate(self.model, self.data.x_test, self.data.y_test)
+                m = cfg.train.eval_samples  # (None: the whole split)
+                test_acc, test_loss = train.evaluate(self.model, self.data.x_test[:m], self.data.y_test[:m])
                 if self.has_local_test:
                     local_acc, local_loss = train.evaluate(self.model, self.data.x_local, self.data.y_local)
             self.test_acc, self.test_loss = test_acc, test_loss

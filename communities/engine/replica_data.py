@@ -97,7 +97,7 @@ def _read(cfg: "Config", world: World) -> Tuple[data.Dataset, Tuple[str, str], O
             raise ConfigError(f"{' and '.join(needs_pool)} need the whole training set on every rank, but "
                               f"data.dataset={cfg.data.dataset!r} is a sharded reader (it takes rank or "
                               "world_size) and gives each rank only its own shard")
-    return ds, data.fingerprint(ds), own_group
+    return ds, world.shared(("fingerprint", id(ds)), lambda: data.fingerprint(ds)), own_group
 
 
 def _check_same_data(cfg: "Config", world: World, ds: data.Dataset, fingerprint: Tuple[str, str]) -> str:

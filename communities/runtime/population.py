@@ -479,13 +479,20 @@ class ReplicaWorld(Traffic):
     def _ring(self, nbytes: int, n: int) -> int:
         return int(2 * (n - 1) * nbytes // max(n, 1))
 
+    def _sent(self, nbytes: int) -> None:
+        """Training bytes of a collective, as World counts them; the share that reaches the replica's own
+        process, (B - 1) of its N - 1 peers, stays in memory (``bytes_in_process``)."""
+        self.bytes_sent += nbytes
+        b, n = self.hub.placement.per_process, self.size
+        self.bytes_in_process += nbytes * (b - 1) // max(n - 1, 1)
+
     def _gather(self, row: np.ndarray, what: str) -> np.ndarray:
         return self.hub.wait(Collective("allgather", what, np.ascontiguousarray(row)))
 
     def allgather(self, row: np.ndarray) -> np.ndarray:
         row = np.ascontiguousarray(row)
         out = self._gather(row, "Allgather")
-        self.bytes_sent += row.nbytes * (self.size - 1)
+        self._sent(row.nbytes * (self.size - 1))
         return out
 
     def allgather_text(self, text: str, width: int = 512) -> List[str]:
@@ -498,14 +505,14 @@ class ReplicaWorld(Traffic):
         """Completed at once (every replica of the process posts it at the same point): (request, out, row)."""
         row = np.array(row, copy=True, order="C")
         out = self._gather(row, what)
-        self.bytes_sent += row.nbytes * (self.size - 1)
+        self._sent(row.nbytes * (self.size - 1))
         return _Done(), out, row
 
     def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("a population's Allreduce needs a contiguous CPU tensor")
         self.hub.wait(Collective("allreduce", "Allreduce", t))
-        self.bytes_sent += self._ring(t.numel() * t.element_size(), self.size)
+        self._sent(self._ring(t.numel() * t.element_size(), self.size))
         return t
 
     def allreduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
@@ -560,14 +567,14 @@ class ReplicaWorld(Traffic):
     def agree(self, digest: bytes, what: str) -> None:
         row = np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8)
         bad = self.hub.wait(Collective("agree", f"Allgather of digests ({what})", row))
-        self.bytes_sent += row.nbytes * (self.size - 1)
+        self._sent(row.nbytes * (self.size - 1))
         if bad:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
     def group_mean_(self, t: torch.Tensor, color: int, counts: bool = True) -> int:
         n = self.hub.wait(Collective("group_mean", "Allreduce inside a group of replicas", (t, int(color),
                                                                                              bool(counts))))
-        self.bytes_sent += self._ring(t.numel() * t.element_size(), n)
+        self._sent(self._ring(t.numel() * t.element_size(), n))
         return n
 
     def split(self, color: int):
