@@ -220,3 +220,37 @@ def test_resolver_modes():
     assert vz.resolve_vectorize("on", m, 1) is True
     with pytest.raises(ConfigError, match=r"train\.vectorize='yes' is not one of off, on, auto"):
         vz.resolve_vectorize("yes", m, 2)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_members_keep_their_own_weights_and_torch_optim_state(opt):
+    """A population's step (train_members): each replica's own flat buffer and torch.optim state go in and come
+    back, so that between units a replica looks exactly as the sequential path leaves it (within TOL)."""
+    cfg = _cfg(**OPTIMIZERS[opt])
+    xs, ys = _data()
+    seq, seq_opts, _ = _replicas(cfg, len(SIZES))
+    ms, opts, _ = _replicas(cfg, len(SIZES))
+    flats = []
+    for m in ms:  # bind each model's parameters to one flat buffer, as the engine's replicas hold them
+        flat, _n = models.flatten_(m)
+        flats.append(flat)
+    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, "mlp")
+    members = [vz.Member(m, o, f, x, y, r) for m, o, f, x, y, r in zip(ms, opts, flats, xs, ys, range(len(ms)))]
+    for t in range(3):
+        want = [train.train_unit(m, o, x, y, cfg, 3, r, t) for m, o, x, y, r in zip(seq, seq_opts, xs, ys,
+                                                                                     range(len(ms)))]
+        got = vz.train_members(trainer, members, 3, t)
+        assert [g.samples for g, _ in got] == [w.samples for w in want]
+        if t == 1:  # a merge between units resets one replica's optimizer (merge.optimizer_state: reset)
+            opts[2].state.clear()
+            seq_opts[2].state.clear()
+    assert float((torch.stack(flats) - _weights(seq)).abs().max()) <= TOL
+    if cfg.optimizer == "sgd" and cfg.momentum == 0:
+        assert all(not o.state for o in opts)
+        return
+    key = "momentum_buffer" if cfg.optimizer == "sgd" else "exp_avg"
+    for o, so, m, sm in zip(opts, seq_opts, ms, seq):
+        for p, sp in zip(m.parameters(), sm.parameters()):
+            assert torch.allclose(o.state[p][key], so.state[sp][key], atol=TOL)
+            if cfg.optimizer == "adamw":
+                assert float(o.state[p]["step"]) == float(so.state[sp]["step"])
