@@ -18,6 +18,7 @@ Spec keys::
     name: digits_groups              # results/<name>/
     base: configs/quickstart.yaml    # relative to the spec's directory, the working directory or the repo
     world_size: 8
+    processes: 2                     # optional: MPI processes hosting the replicas (default: one per replica)
     seeds: [0, 1, 2]
     target_accuracy: 0.9
     overrides: [consensus.stop=false]   # for every run (optional)
@@ -48,10 +49,10 @@ import numpy as np
 from ..errors import EXIT_USER
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools/ -> communities/ -> root)
-SPEC_KEYS = {"name", "base", "world_size", "seeds", "target_accuracy", "overrides", "strategies", "launcher",
-             "timeout", "description", "cases"}
+SPEC_KEYS = {"name", "base", "world_size", "processes", "seeds", "target_accuracy", "overrides", "strategies",
+             "launcher", "timeout", "description", "cases"}
 # what a case of a multi-case spec may set (its own base config, world size, target, extra overrides)
-CASE_KEYS = {"name", "base", "world_size", "seeds", "target_accuracy", "overrides", "description"}
+CASE_KEYS = {"name", "base", "world_size", "processes", "seeds", "target_accuracy", "overrides", "description"}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -81,6 +82,7 @@ class Spec:
     timeout: Optional[float] = None
     path: Optional[Path] = None
     description: str = ""
+    processes: Optional[int] = None  # MPI processes hosting the world_size replicas (None: one per replica)
 
 
 @dataclass
@@ -183,6 +185,9 @@ def spec_from_dict(raw, path: Optional[Path] = None) -> Spec:
     ws = raw.get("world_size", 8)
     if not isinstance(ws, int) or ws < 1:
         raise SpecError(f"{where}: world_size must be a positive integer, got {ws!r}")
+    procs = raw.get("processes")
+    if procs is not None and (not isinstance(procs, int) or procs < 1 or ws % procs):
+        raise SpecError(f"{where}: processes must be a positive integer that divides world_size={ws}, got {procs!r}")
     seeds = raw.get("seeds", [0])
     if isinstance(seeds, int):
         seeds = list(range(seeds))  # "seeds: 3" means 0, 1, 2
@@ -227,7 +232,8 @@ def spec_from_dict(raw, path: Optional[Path] = None) -> Spec:
         raise SpecError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
     return Spec(name=name, base=_resolve_base(str(raw["base"]), path), world_size=ws, seeds=list(seeds),
                 target_accuracy=float(target), arms=arms, overrides=_overrides(raw.get("overrides"), where),
-                launcher=launcher, timeout=timeout, path=path, description=str(raw.get("description") or ""))
+                launcher=launcher, timeout=timeout, path=path, description=str(raw.get("description") or ""),
+                processes=procs)
 
 
 # --------------------------------------------------------------------------- launching
@@ -784,7 +790,7 @@ def compare_one(spec: Spec, args) -> int:
         if not spec.base.exists():
             raise SpecError(f"{args.spec}: base config {str(spec.base)!r} not found")
         results_root = Path(args.results_root)
-        launch = (launcher_argv(spec.world_size, args.launcher or spec.launcher, args.mpiexec)
+        launch = (launcher_argv(spec.processes or spec.world_size, args.launcher or spec.launcher, args.mpiexec)
                   if not args.report_only else [])
         plans = plan_runs(spec, results_root, launch, args.only, args.seeds)
         problems = validate(spec, plans)
