@@ -27,6 +27,7 @@ clustering, the dataset) is computed once: ``shared``.
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
@@ -437,7 +438,7 @@ class ReplicaWorld(Traffic):
         return self.hub.wait(Collective("local_rank", "Comm.Split_type of the ranks on this node"))
 
     def hostnames(self) -> List[str]:
-        return self.allgather_text(__import__("socket").gethostname(), width=64)
+        return self.allgather_text(socket.gethostname(), width=64)
 
     @staticmethod
     def library_version() -> str:

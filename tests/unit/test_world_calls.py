@@ -44,7 +44,8 @@ def test_byte_counters_checkpoint_by_kind_and_an_older_checkpoint_loads():
     w = World(timeout=0)
     w.bytes_sent, w.bytes_control = 10, 7
     state = w.state_dict()
-    assert state == {"bytes_sent": 10, "bytes_monitoring": 0, "bytes_data": 0, "bytes_control": 7, "bytes_in_process": 0}
+    assert state == {"bytes_sent": 10, "bytes_monitoring": 0, "bytes_data": 0, "bytes_control": 7,
+                     "bytes_in_process": 0}
     w.load_state_dict({"bytes_sent": 3, "bytes_monitoring": 2, "bytes_data": 1})  # before bytes_control was kept
     assert (w.bytes_sent, w.bytes_monitoring, w.bytes_data, w.bytes_control) == (3, 2, 1, 0)
     with w.metered("data"):
