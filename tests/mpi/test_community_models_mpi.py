@@ -1,9 +1,10 @@
 """One model or several (issue 15), under a real mpiexec: community models, export, auto, IFCA, fine-tuning.
 
-Every run is the tiny config on 4 ranks (2 planted groups of 2) with each rank holding out 20% of its shard as
-its local test data; "label-permuted" means IID shards where group 1 sees every label under a fixed permutation,
-the conflict one consensus model cannot serve. The module's uninterrupted runs are one batch (one mpiexec), the
-two resumes (of copies of the auto and IFCA runs, from their checkpoint at t=20) a second.
+Every run is the tiny config on 4 ranks (2 planted groups of 2), run as 4 replicas on 2 MPI processes, with each
+rank holding out 20% of its shard as its local test data; "label-permuted" means IID shards where group 1 sees every
+label under a fixed permutation, the conflict one consensus model cannot serve. The module's uninterrupted runs are
+one batch (one mpiexec), the two resumes (of copies of the auto and IFCA runs, from their checkpoint at t=20) a
+second.
 """
 import json
 import shutil
@@ -31,10 +32,16 @@ IFCA_RESTARTS = [*DIGITS, "strategy=ifca", "ifca.k=2", "ifca.init=restarts", "if
                  "ifca.warmup_units=2", "train.budget=8"]
 ORACLE = [*DIGITS, "strategy=oracle", "train.budget=6"]
 N = 4
+PROCESSES = 2  # the N replicas run as a population on 2 MPI processes (placement changes no bit)
 PLUGIN_EXAMPLE = ROOT / "examples" / "plugins" / "config.yaml"
 # runs that need more ranks than the world has: {name: (overrides, what the error names)}
 BAD = {"shift_groups": ([*PERMUTED, "data.groups=5"], "data.groups=5 planted groups need at least as many ranks"),
        "mode_k": (["consensus.mode=communities", "consensus.k=9"], "consensus.k=9 communities need at least")}
+
+
+def population(jobs: dict) -> dict:
+    """The jobs with their world size pinned to N replicas, for a batch on PROCESSES processes."""
+    return {name: job._replace(overrides=[*job.overrides, f"world_size={N}"]) for name, job in jobs.items()}
 
 
 def identical(a: dict, b: dict) -> bool:
@@ -80,7 +87,7 @@ def runs(tmp_path_factory):
     # the docs' sharded reader (each rank reads its own shard): its ranks hold out their local tests themselves
     jobs["sharded"] = Job(PLUGIN_EXAMPLE, root / "sharded", ["data.dataset=my_data:blobs_sharded", "train.budget=15",
                                                               "data.local_test_fraction=0.2"])
-    results = run_batch(N, jobs, check=False)
+    results = run_batch(PROCESSES, population(jobs), check=False)
     for name, res in results.items():
         assert name in BAD or res.returncode == 0, f"{name} exited {res.returncode}\n{res.stderr[-3000:]}"
     return TinyRuns(root, config, results)
@@ -99,7 +106,7 @@ def resumed(runs, tmp_path_factory):
         meta = run / "meta.json"
         meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
         jobs[name] = Job(runs.config, root / name, overrides, extra=["--resume"])
-    run_batch(N, jobs)
+    run_batch(PROCESSES, population(jobs))
     return {name: root / name / "tiny" for name in jobs}
 
 

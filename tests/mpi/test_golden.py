@@ -5,8 +5,11 @@ only by a deliberate change of what the engine computes
 (``python tests/helpers/golden_runs.py --record tests/helpers/golden.json``).
 CI checks the quickstart and the short runs of every optional path; ``make golden``
 checks all of them (every strategy on the quickstart, mnist1d seed 0), each as its own job.
-Here they run as batches (one mpiexec per world size, tests/helpers/batch.py): the same
-command-line entry, one start-up.
+Here every CI entry runs as a population: its replicas (``world_size``) on 2 MPI processes, all
+entries in one batch (one mpiexec, tests/helpers/batch.py: the same command-line entry, one
+start-up). Placement must not change a bit (DESIGN.md, "Populations"), so the table recorded
+with one process per replica holds; the quickstart also runs on 8 processes (one per replica)
+and on 1, and all three give the table's consensus.pt.
 """
 from __future__ import annotations
 
@@ -29,31 +32,70 @@ pytestmark = pytest.mark.timeout(1800)
 WATCHED = {"quickstart": ["logging.tensorboard=true"]}
 
 
+PROCESSES = 2  # the MPI processes of the CI batch; every CI entry's world size is a multiple
+PLACEMENTS = (8, 1)  # the quickstart's other placements (its 8 replicas on 8 processes, on 1)
+
+
+def job(name: str, root: Path) -> Job:
+    """Golden entry ``name`` as a batch job under ``root``, its world size pinned (a population where the batch
+    has fewer processes)."""
+    n, config, _ = golden_runs.RUNS[name]
+    return Job(ROOT / config, root, [*golden_runs.job_overrides(name), f"world_size={n}", *WATCHED.get(name, [])],
+               ["--overwrite"])
+
+
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory):
-    """Every CI golden run, batched by world size: {name: (its run directory, its job's output)}."""
+    """Every CI golden run, all on PROCESSES processes in one batch: {name: (its run directory, its output)}."""
     root = tmp_path_factory.mktemp("golden")
+    results = run_batch(PROCESSES, {name: job(name, root) for name in CI_RUNS}, timeout=1500,
+                        env=golden_runs.KERNEL_ENV)
+    return {name: (root / name, res) for name, res in results.items()}
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory):
+    """The quickstart on each of PLACEMENTS processes, each its own small batch: {processes: run directory}."""
     done = {}
-    for n in sorted({golden_runs.RUNS[name][0] for name in CI_RUNS}):
-        names = [name for name in CI_RUNS if golden_runs.RUNS[name][0] == n]
-        jobs = {name: Job(ROOT / golden_runs.RUNS[name][1], root, [*golden_runs.job_overrides(name),
-                                                                   *WATCHED.get(name, [])], ["--overwrite"])
-                for name in names}
-        results = run_batch(n, jobs, timeout=1500, env=golden_runs.KERNEL_ENV)
-        done.update({name: (root / name, res) for name, res in results.items()})
+    for p in PLACEMENTS:
+        root = tmp_path_factory.mktemp(f"golden_p{p}")
+        run_batch(p, {"quickstart": job("quickstart", root)}, timeout=900, env=golden_runs.KERNEL_ENV)
+        done[p] = root / "quickstart"
     return done
 
 
-@pytest.mark.parametrize("name", CI_RUNS)
-def test_golden_run_is_bitwise_unchanged(golden, name):
+def table_or_skip() -> dict:
+    """The golden table; skip where the pinned kernels compute other bits than the machine that recorded it."""
     table = json.loads(TABLE.read_text())
     here = golden_runs.kernel_fingerprint()
     if table["kernels"] != here:
         pytest.skip(f"the pinned kernels compute other bits here (calibration {here}; the table's {table['kernels']}, "
                     f"recorded on {table['fingerprint']})")
-    got = golden_runs.record_of(golden[name][0])
+    return table
+
+
+@pytest.mark.parametrize("name", CI_RUNS)
+def test_golden_run_is_bitwise_unchanged(golden, name):
+    table = table_or_skip()
+    run_dir = golden[name][0]
+    placement = json.loads((run_dir / "summary.json").read_text())["placement"]
+    assert placement["processes"] == PROCESSES  # it did run as a population
+    assert placement["replicas_per_process"] == golden_runs.RUNS[name][0] // PROCESSES
+    got = golden_runs.record_of(run_dir)
     want = table["runs"][name]
     assert got == want, {k: (want[k], got.get(k)) for k in want if want[k] != got.get(k)}
+
+
+def test_placement_does_not_change_the_quickstart(golden, placed):
+    """The quickstart's 8 replicas on 8, 2 and 1 MPI processes: the same consensus.pt, byte for byte, and the
+    golden table's."""
+    runs = {PROCESSES: golden["quickstart"][0], **placed}
+    sha = {p: golden_runs.record_of(run)["consensus_pt_sha256"] for p, run in sorted(runs.items())}
+    assert len(set(sha.values())) == 1, sha
+    for p, run in runs.items():
+        placement = json.loads((run / "summary.json").read_text()).get("placement")
+        assert (placement or {}).get("processes", 8) == p, (p, placement)  # one replica per process: no placement
+    assert sha[1] == table_or_skip()["runs"]["quickstart"]["consensus_pt_sha256"]
 
 
 def test_quickstart_meets_its_promises(golden):

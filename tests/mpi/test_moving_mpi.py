@@ -20,13 +20,16 @@ SWAP_LR0 = ["train.lr=0", "train.momentum=0", "model.init=per_rank", "merge.rule
             "merge.partner_policy=least_recent", "strategy=gossip", "train.budget=30"]
 
 
+POPULATION = ["world_size=4"]  # 4 replicas, here on 2 MPI processes (placement changes no bit)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The module's uninterrupted 4-rank runs, in one batch."""
-    return tiny_batch(tmp_path_factory, "moving", 4, {
+    """The module's uninterrupted 4-rank runs, in one batch: 4 replicas on 2 processes."""
+    return tiny_batch(tmp_path_factory, "moving", 2, {name: [*POPULATION, *overrides] for name, overrides in {
         "moves": [*MOVING, "signature.kind=cka", "comm.check_hashes=true"],
         "keep": [*MOVING, "examples.handover=false", "examples.retire=false"],
-        "reference": RESUMED, "swap_lr0": SWAP_LR0})
+        "reference": RESUMED, "swap_lr0": SWAP_LR0}.items()})
 
 
 def final_tables(run: Path, n: int):
@@ -80,9 +83,10 @@ def test_keep_copy_mode_grows_shards_without_duplicates(runs):
 
 
 def test_resume_with_moving_data_is_bitwise(tmp_path, tiny_config, runs):
-    args = RESUMED
+    """Cut by a STOP file as 4 replicas on 2 processes, resumed on 4 processes: the uninterrupted run's bits."""
+    args = [*POPULATION, *RESUMED]
     ref, cut = runs["reference"], tmp_path / "cut"
-    proc = start(4, tiny_config, cut, *args)
+    proc = start(2, tiny_config, cut, *args)
     wait_for(cut / "tiny" / "checkpoints" / "latest", proc)
     (cut / "tiny" / "STOP").touch()
     rc, out, err = finish(proc)

@@ -33,8 +33,11 @@ GLOBAL = {"local_sgd": ["merge.period=3"],
 UPDATE_STOP = ["consensus.stop=true", "consensus.tol=0.5", "consensus.patience=1", "train.budget=60"]
 
 
-def batch(tmp_path_factory, n, jobs):
-    runs = tiny_batch(tmp_path_factory, f"engine{n}", n, jobs, check=False)
+def batch(tmp_path_factory, n, jobs, processes=None):
+    """The jobs of world size n in one batch; on ``processes`` MPI processes (a population) where given."""
+    if processes:
+        jobs = {name: [*overrides, f"world_size={n}"] for name, overrides in jobs.items()}
+    runs = tiny_batch(tmp_path_factory, f"engine{n}", processes or n, jobs, check=False)
     for name, res in runs.result.items():
         assert name == "config_error" or res.returncode == 0, (name, res.stdout[-2000:], res.stderr[-3000:])
     return runs
@@ -42,7 +45,7 @@ def batch(tmp_path_factory, n, jobs):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    """Every 4-rank run of this module, in one batch."""
+    """Every 4-rank run of this module, in one batch: 4 replicas on 2 processes (placement changes no bit)."""
     jobs = {"default": [], "again": [], "seed4": ["seed=4"],
             "lr0": ["train.lr=0", "train.momentum=0", "model.init=per_rank", "strategy=gossip", "train.budget=60",
                     "merge.lam=1"],
@@ -52,12 +55,13 @@ def four(tmp_path_factory):
             "update_dispersion": UPDATE_STOP, "update_tol": [*UPDATE_STOP, "consensus.update_tol=1e-9"],
             "declared_groups": ["data.dataset=tests.helpers.user_fns:declared_rank_groups", "data.partition=iid",
                                 "train.budget=10", "name=tiny"]}
-    return batch(tmp_path_factory, 4, jobs)
+    return batch(tmp_path_factory, 4, jobs, processes=2)
 
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    """Every 3-rank run of this module, in one batch."""
+    """Every 3-rank run of this module, in one batch (one process per rank: not_deterministic draws its data per
+    process)."""
     jobs = {"default": [], **{s: [f"strategy={s}", "train.budget=12", *extra] for s, extra in GLOBAL.items()},
             "not_deterministic": ["data.dataset=tests.helpers.user_fns:not_deterministic", "data.partition=iid",
                                   "train.budget=5", "name=tiny", "data.on_mismatch=warn"]}
@@ -93,6 +97,7 @@ def test_run_writes_the_results_layout(four, three, n):
     assert walls == sorted(walls) and walls[0] > 0  # seconds since the run started, per unit
     assert s["bytes_sent_mean"] > 0
     assert set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other"}
+    assert (s.get("placement") or {}).get("processes", n) == {4: 2, 3: 3}[n]  # 4 replicas on 2 processes
 
 
 def test_same_seed_gives_bitwise_identical_consensus(four):

@@ -104,3 +104,20 @@ def test_launcher_files_are_not_a_run(tmp_path):
         RunWriter(run)
     RunWriter(run, overwrite=True).close()
     assert sorted(p.name for p in run.iterdir()) == ["job.sbatch", "rounds", "slurm-12.out"]
+
+
+def test_a_population_may_run_on_fewer_ranks_and_the_script_says_a_requeue_onto_fewer_nodes_works(
+        tmp_path, tiny_config, monkeypatch, capsys):
+    """world_size=8 replicas on 1 node x 2 ranks is a population: accepted, unless it asks what one refuses."""
+    monkeypatch.chdir(tmp_path)
+    assert slurm.main_slurm([str(tiny_config), "world_size=8", "--ntasks-per-node", "2"]) == 0
+    text = (tmp_path / "results" / "tiny" / "job.sbatch").read_text()
+    assert sbatch_lines(text)["ntasks-per-node"] == "2"
+    header = text.split("#SBATCH", 1)[0]
+    assert "# A requeue onto fewer nodes just works for a population" in header
+    assert "resumes bitwise from the\n# per-replica checkpoints" in header
+    capsys.readouterr()
+    code = slurm.main_slurm([str(tiny_config), "world_size=8", "protocol=async", "--ntasks-per-node", "2",
+                             "--overwrite"])
+    assert code == 2 and "protocol=async" in capsys.readouterr().err
+    assert "fewer nodes just works for a population" in " ".join(slurm.build_parser().format_help().split())
