@@ -471,7 +471,9 @@ class Config(_Section):
     protocol: Literal["virtual_clock", "async"] = Field(
         "virtual_clock", description="virtual_clock: every rank walks the same exchange lists (deterministic, "
         "bitwise resumable); async: each rank at its own pace, merges served between batches")
-    world_size: Optional[int] = Field(None, ge=1, description="expected MPI world size; null accepts any")
+    world_size: Optional[int] = Field(None, ge=1, description="the number of replicas N: MPI may start N processes "
+                                      "or any number P that divides N (each hosting N/P replicas); null: one replica "
+                                      "per process, any number")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     threads: Optional[int] = Field(None, ge=1, description="torch threads per rank; null: OMP_NUM_THREADS, else 1")
     data: DataConfig = DataConfig()
