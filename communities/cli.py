@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("compare", help="run a config under several strategies and seeds: compare SPEC.yaml",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | partners | overhead | inspect "
-                                 "| vectorize",
+                                 "| vectorize | scale",
                    add_help=False)
     sub.add_parser("slurm", help="write (and --submit) an sbatch script for a config", add_help=False)
     sub.add_parser("export", help="one model per community of a saved round: export RUN --round R --k K",
