@@ -15,7 +15,6 @@ to the survivors' communicator.
 """
 from __future__ import annotations
 
-import socket
 from typing import List, Optional
 
 import numpy as np
@@ -55,26 +54,6 @@ class World(PointToPoint):
         self.tag_limit = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
 
     # ---------------------------------------------------------------- membership (see membership.py, ulfm.py)
-
-    @property
-    def size(self) -> int:
-        return self.membership.size
-
-    @property
-    def members(self) -> np.ndarray:
-        return self.membership.members
-
-    @property
-    def alive(self) -> np.ndarray:
-        return self.membership.alive
-
-    @property
-    def n_alive(self) -> int:
-        return self.membership.n_alive
-
-    @property
-    def whole(self) -> bool:
-        return self.membership.whole
 
     def enable_shrink(self) -> None:
         """Survive lost ranks: errors are returned, never fatal, and a failure raises ``RankLost``.
@@ -160,20 +139,12 @@ class World(PointToPoint):
             node.Free()
         return self._local_rank
 
-    def hostnames(self) -> List[str]:
-        """Every rank's host name."""
-        return self.allgather_text(socket.gethostname(), width=64)
-
     @staticmethod
     def library_version() -> str:
         """The MPI library's first line of version text (``launcher.library_version``)."""
         return launcher.library_version()
 
     # ---------------------------------------------------------------- collectives
-
-    def _ring(self, nbytes: int, n: int) -> int:
-        """What each rank sends in a bandwidth-optimal (ring) allreduce of ``nbytes`` over ``n`` ranks."""
-        return int(2 * (n - 1) * nbytes // max(n, 1))
 
     def allgather(self, row: np.ndarray) -> np.ndarray:
         """Stack every rank's equal-shaped ``row`` into an (N, ...) array, identical on all ranks."""
@@ -211,14 +182,6 @@ class World(PointToPoint):
         self.bytes_sent += self._ring(t.numel() * t.element_size(), self.n_alive)
         return t
 
-    def allreduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
-        """In-place mean over the ranks alive."""
-        self.allreduce_sum_(t)
-        return t.div_(self.n_alive)
-
-    def allreduce_scalar(self, value: float, op: str = "sum") -> float:
-        return float(self.allreduce_array(np.array([value], dtype=np.float64), op, what="Allreduce of a scalar")[0])
-
     def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
         """Elementwise sum, max or min over ranks of a float64 array (a copy); control traffic."""
         buf = np.array(values, dtype=np.float64, copy=True)
@@ -250,19 +213,6 @@ class World(PointToPoint):
             self.comm.Bcast(buf, root=self._p(root))
         self._bcast_bytes(buf.nbytes, root)
         return buf
-
-    def bcast_text(self, text: Optional[str], root: int = 0) -> str:
-        """Broadcast UTF-8 text as a length-prefixed byte buffer (no pickle)."""
-        data = text.encode() if self.rank == root and text is not None else b""
-        what = "Bcast of text"
-        n = self.bcast_array(np.array([len(data)], dtype=np.int64), (1,), np.int64, root, what)
-        buf = self.bcast_array(np.frombuffer(data, dtype=np.uint8).copy(), (int(n[0]),), np.uint8, root, what)
-        return bytes(buf).decode()
-
-    def _bcast_bytes(self, nbytes: int, root: int) -> None:
-        """Control traffic of a broadcast: the root's bytes to every other rank alive."""
-        if self.rank == root:
-            self.bytes_control += nbytes * (self.n_alive - 1)
 
     def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
         """Gatherv of each rank's 2-D float64 block (variable row count) to ``root``."""

@@ -11,9 +11,9 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .logical import LogicalRanks
 from .membership import Membership
 from .staging import Staging
-from .traffic import Traffic
 from .watchdog import Watchdog
 
 
@@ -31,7 +31,7 @@ class Tag(IntEnum):
     VECTOR_SIZE = 12  # the length of a variable-length buffer that follows
 
 
-class PointToPoint(Traffic):
+class PointToPoint(LogicalRanks):
     """The point-to-point half of ``World``, which sets the attributes below."""
 
     comm: Any
@@ -64,15 +64,9 @@ class PointToPoint(Traffic):
         self.bytes_sent += send.nbytes
         return recv
 
-    def sendrecv_vector(self, send: np.ndarray, peer: int, tag: int) -> np.ndarray:
-        """Exchange float64 vectors whose lengths differ: the lengths first, then one Sendrecv."""
-        send = np.ascontiguousarray(send, dtype=np.float64).reshape(-1)
-        n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
-        recv = np.empty(int(n[0]), dtype=np.float64)
+    def _swap_arrays(self, send: np.ndarray, recv: np.ndarray, peer: int, tag: int) -> None:
         with self.watchdog.waiting(f"Sendrecv with partner rank {peer}"):
             self.comm.Sendrecv(send, dest=self._p(peer), sendtag=tag, recvbuf=recv, source=self._p(peer), recvtag=tag)
-        self.bytes_sent += send.nbytes
-        return recv
 
     # -- small messages, polled (protocol async)
 

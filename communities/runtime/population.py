@@ -27,7 +27,6 @@ clustering, the dataset) is computed once: ``shared``.
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
@@ -37,9 +36,8 @@ import torch
 
 from ..core.placement import Placement, tree_sum
 from ..errors import ConfigError, Disagreement
+from .logical import LogicalRanks
 from .membership import Membership
-from .p2p import Tag
-from .traffic import Traffic
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
 TAG_KINDS = 16  # message kinds (``p2p.Tag``) below this: a network tag is (src, dst, kind)
@@ -385,14 +383,14 @@ class _Done:
         return True
 
 
-class ReplicaWorld(Traffic):
+class ReplicaWorld(LogicalRanks):
     """One replica's view of the job: ``World``'s calls, over N logical replicas, completed by the ``Hub``."""
 
     shrinks = False
     cuda_aware = False
 
     def __init__(self, hub: Hub, rank: int):
-        Traffic.__init__(self)
+        LogicalRanks.__init__(self)
         self.hub, self.rank = hub, int(rank)
         self.membership = Membership(hub.placement.replicas)
         self.watchdog = _QuietWatchdog()
@@ -400,26 +398,6 @@ class ReplicaWorld(Traffic):
         self.process = hub.world.rank
 
     # ------------------------------------------------------------ who
-
-    @property
-    def size(self) -> int:
-        return self.membership.size
-
-    @property
-    def members(self) -> np.ndarray:
-        return self.membership.members
-
-    @property
-    def alive(self) -> np.ndarray:
-        return self.membership.alive
-
-    @property
-    def n_alive(self) -> int:
-        return self.membership.n_alive
-
-    @property
-    def whole(self) -> bool:
-        return True
 
     @property
     def placement(self) -> Placement:
@@ -436,9 +414,6 @@ class ReplicaWorld(Traffic):
     @property
     def local_rank(self) -> int:
         return self.hub.wait(Collective("local_rank", "Comm.Split_type of the ranks on this node"))
-
-    def hostnames(self) -> List[str]:
-        return self.allgather_text(socket.gethostname(), width=64)
 
     @staticmethod
     def library_version() -> str:
@@ -477,9 +452,6 @@ class ReplicaWorld(Traffic):
 
     # ------------------------------------------------------------ collectives (counted as World counts them)
 
-    def _ring(self, nbytes: int, n: int) -> int:
-        return int(2 * (n - 1) * nbytes // max(n, 1))
-
     def _sent(self, nbytes: int) -> None:
         """Training bytes of a collective, as World counts them; the share that reaches the replica's own
         process, (B - 1) of its N - 1 peers, stays in memory (``bytes_in_process``)."""
@@ -516,13 +488,6 @@ class ReplicaWorld(Traffic):
         self._sent(self._ring(t.numel() * t.element_size(), self.size))
         return t
 
-    def allreduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
-        self.allreduce_sum_(t)
-        return t.div_(self.size)
-
-    def allreduce_scalar(self, value: float, op: str = "sum") -> float:
-        return float(self.allreduce_array(np.array([value], dtype=np.float64), op, what="Allreduce of a scalar")[0])
-
     def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
         if op not in ("sum", "max", "min"):
             raise KeyError(op)
@@ -548,17 +513,6 @@ class ReplicaWorld(Traffic):
         out = self.hub.wait(Collective("bcast", what, (mine, shape, dtype), root=root))
         self._bcast_bytes(out.nbytes, root)
         return out
-
-    def bcast_text(self, text: Optional[str], root: int = 0) -> str:
-        data = text.encode() if self.rank == root and text is not None else b""
-        what = "Bcast of text"
-        n = self.bcast_array(np.array([len(data)], dtype=np.int64), (1,), np.int64, root, what)
-        buf = self.bcast_array(np.frombuffer(data, dtype=np.uint8).copy(), (int(n[0]),), np.uint8, root, what)
-        return bytes(buf).decode()
-
-    def _bcast_bytes(self, nbytes: int, root: int) -> None:
-        if self.rank == root:
-            self.bytes_control += nbytes * (self.size - 1)
 
     def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
         rows = np.ascontiguousarray(rows, dtype=np.float64)
@@ -586,7 +540,7 @@ class ReplicaWorld(Traffic):
 
     # ------------------------------------------------------------ point to point
 
-    def _swap(self, send: np.ndarray, recv: np.ndarray, peer: int, tag: int) -> None:
+    def _swap_arrays(self, send: np.ndarray, recv: np.ndarray, peer: int, tag: int) -> None:
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"replica {self.rank} cannot exchange with rank {peer}")
         self.hub.wait(Exchange(int(peer), int(tag), send, recv))
@@ -596,21 +550,13 @@ class ReplicaWorld(Traffic):
     def sendrecv(self, send: torch.Tensor, recv: torch.Tensor, peer: int, tag: int = 0) -> None:
         if not (send.is_contiguous() and recv.is_contiguous()):
             raise ValueError("sendrecv needs contiguous tensors")
-        self._swap(send.detach().numpy(), recv.detach().numpy(), peer, tag)
+        self._swap_arrays(send.detach().numpy(), recv.detach().numpy(), peer, tag)
         self.bytes_sent += send.numel() * send.element_size()
 
     def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
         send = np.ascontiguousarray(send)
         recv = np.empty_like(send)
-        self._swap(send, recv, peer, tag)
-        self.bytes_sent += send.nbytes
-        return recv
-
-    def sendrecv_vector(self, send: np.ndarray, peer: int, tag: int) -> np.ndarray:
-        send = np.ascontiguousarray(send, dtype=np.float64).reshape(-1)
-        n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
-        recv = np.empty(int(n[0]), dtype=np.float64)
-        self._swap(send, recv, peer, tag)
+        self._swap_arrays(send, recv, peer, tag)
         self.bytes_sent += send.nbytes
         return recv
 

@@ -1,0 +1,113 @@
+"""What every view of the job shares, whatever carries its messages: the logical ranks, and the calls built
+from a view's own primitives.
+
+``World`` (one replica per MPI process) and a population's ``ReplicaWorld`` (many per process,
+``population.py``) each provide the primitives (``allgather``, ``allreduce_sum_``, ``allreduce_array``,
+``bcast_array``, ``sendrecv_array`` and ``_swap_arrays``); the calls below are the same for both, and so is the
+byte model they count by.
+"""
+from __future__ import annotations
+
+import socket
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from .membership import Membership
+from .traffic import Traffic
+
+
+class LogicalRanks(Traffic):
+    """The logical ranks of a job (``membership``) and the calls every view builds the same way."""
+
+    rank: int
+    membership: Membership
+
+    # ---------------------------------------------------------------- who
+
+    @property
+    def size(self) -> int:
+        return self.membership.size
+
+    @property
+    def members(self) -> np.ndarray:
+        return self.membership.members
+
+    @property
+    def alive(self) -> np.ndarray:
+        return self.membership.alive
+
+    @property
+    def n_alive(self) -> int:
+        return self.membership.n_alive
+
+    @property
+    def whole(self) -> bool:
+        return self.membership.whole
+
+    def hostnames(self) -> List[str]:
+        """Every rank's host name."""
+        return self.allgather_text(socket.gethostname(), width=64)
+
+    # ---------------------------------------------------------------- what a view provides
+
+    def allgather_text(self, text: str, width: int = 512) -> List[str]:
+        raise NotImplementedError
+
+    def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
+        raise NotImplementedError
+
+    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0, what: str = "Bcast") -> np.ndarray:
+        raise NotImplementedError
+
+    def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
+        raise NotImplementedError
+
+    def _swap_arrays(self, send: np.ndarray, recv: np.ndarray, peer: int, tag: int) -> None:
+        """One blocking exchange of two contiguous buffers (their sizes may differ) with ``peer``; not counted."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- built from them
+
+    def allreduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place mean over the ranks alive."""
+        self.allreduce_sum_(t)
+        return t.div_(self.n_alive)
+
+    def allreduce_scalar(self, value: float, op: str = "sum") -> float:
+        return float(self.allreduce_array(np.array([value], dtype=np.float64), op, what="Allreduce of a scalar")[0])
+
+    def bcast_text(self, text: Optional[str], root: int = 0) -> str:
+        """Broadcast UTF-8 text as a length-prefixed byte buffer (no pickle)."""
+        data = text.encode() if self.rank == root and text is not None else b""
+        what = "Bcast of text"
+        n = self.bcast_array(np.array([len(data)], dtype=np.int64), (1,), np.int64, root, what)
+        buf = self.bcast_array(np.frombuffer(data, dtype=np.uint8).copy(), (int(n[0]),), np.uint8, root, what)
+        return bytes(buf).decode()
+
+    def sendrecv_vector(self, send: np.ndarray, peer: int, tag: int) -> np.ndarray:
+        """Exchange float64 vectors whose lengths differ: the lengths first, then one exchange."""
+        from .p2p import Tag
+
+        send = np.ascontiguousarray(send, dtype=np.float64).reshape(-1)
+        n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
+        recv = np.empty(int(n[0]), dtype=np.float64)
+        self._swap_arrays(send, recv, peer, tag)
+        self.bytes_sent += send.nbytes
+        return recv
+
+    # ---------------------------------------------------------------- the byte model
+
+    @staticmethod
+    def _ring(nbytes: int, n: int) -> int:
+        """What each rank sends in a bandwidth-optimal (ring) allreduce of ``nbytes`` over ``n`` ranks."""
+        return int(2 * (n - 1) * nbytes // max(n, 1))
+
+    def _bcast_bytes(self, nbytes: int, root: int) -> None:
+        """Control traffic of a broadcast: the root's bytes to every other rank alive."""
+        if self.rank == root:
+            self.bytes_control += nbytes * (self.n_alive - 1)
