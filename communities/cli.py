@@ -149,7 +149,7 @@ def cmd_run(args) -> int:
     from mpi4py import MPI  # noqa: F401
 
     from .config import from_json, load
-    from .engine import loop
+    from .engine import loop, survival
     from .engine.run_dir import Resume
     from .errors import ConfigError, Preempted, RunComplete, collective
     from .runtime import population
@@ -174,10 +174,12 @@ def cmd_run(args) -> int:
     hook_search_path(args.config)  # on every rank: each imports the hooks itself
     resume = Resume.of(args.resume, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
     code = 0
-    problem = population.refusal(cfg, world.size)  # the same answer on every rank
+    # the survivors of a lost rank resume one replica per process, as many as survived (engine/survival.py)
+    survived = resume is not Resume.FRESH and survival.survivors(world, Path(cfg.output.root) / cfg.name) is not None
+    problem = None if survived else population.refusal(cfg, world.size)  # the same answer on every rank
     if problem:
         raise collective(ConfigError(problem))
-    replicas = cfg.world_size or world.size
+    replicas = world.size if survived else cfg.world_size or world.size
     options = dict(overwrite=args.overwrite, argv=sys.argv, progress=not (args.no_progress or args.quiet),
                    resume=resume)
     try:

@@ -165,9 +165,9 @@ class Survival(NoSurvival):
                 "recoveries": list(self.recoveries), "lost_shard": self.policy}
 
 
-def resume_membership(world: World, run_dir: Path) -> None:
-    """Before anything else on a resume: if the newest checkpoint was written by the survivors of a larger job,
-    and this job has as many ranks as survived, each process takes its logical rank (a collective)."""
+def survivors(world: World, run_dir: Path) -> Optional[Tuple[List[int], int]]:
+    """(the logical ranks alive, the job's size) when the newest checkpoint of ``run_dir`` was written by the
+    survivors of a lost rank, else None (a collective: rank 0 reads, every rank gets its answer)."""
     text = ""
     if world.rank == 0:
         found = complete_dirs(Path(run_dir) / "checkpoints")
@@ -181,13 +181,23 @@ def resume_membership(world: World, run_dir: Path) -> None:
                 text = json.dumps({"alive": [int(r) for r in alive], "size": size})
     text = world.bcast_text(text)
     if not text:
-        return
+        return None
     got = json.loads(text)
-    if len(got["alive"]) != world.size:
+    return [int(r) for r in got["alive"]], int(got["size"])
+
+
+def resume_membership(world: World, run_dir: Path) -> None:
+    """Before anything else on a resume: if the newest checkpoint was written by the survivors of a larger job,
+    and this job has as many ranks as survived, each process takes its logical rank (a collective)."""
+    found = survivors(world, run_dir)
+    if found is None:
+        return
+    alive, size = found
+    if len(alive) != world.size:
         raise collective(ConfigError(f"cannot resume: the newest checkpoint was "
-                          f"written by the {len(got['alive'])} survivors (ranks {got['alive']}) of a "
-                          f"{got['size']}-rank job; launch {len(got['alive'])} ranks, not {world.size}"))
-    world.set_membership(got["alive"], got["size"])
+                          f"written by the {len(alive)} survivors (ranks {alive}) of a "
+                          f"{size}-rank job; launch {len(alive)} ranks, not {world.size}"))
+    world.set_membership(alive, size)
 
 
 def lost_rows(records: List[dict]) -> List[dict]:
