@@ -48,11 +48,10 @@ def refusal(cfg, processes: int) -> Optional[str]:
     n = cfg.world_size
     if n is None or n == processes:
         return None
-    if n % processes:
-        try:
-            Placement(n, processes)
-        except ValueError as exc:
-            return str(exc)
+    try:
+        Placement(n, processes)
+    except ValueError as exc:  # P does not divide N: the message names both
+        return str(exc)
     why = []
     if cfg.protocol == "async":
         why.append("protocol=async (its replicas serve each other between batches: one replica per process)")
@@ -116,7 +115,6 @@ class Hub:
         self._p2p: Dict[int, Exchange] = {}  # waiting for a partner in this process
         self._network: Dict[int, Exchange] = {}  # in flight between processes
         self._collective: Dict[int, Collective] = {}
-        self.running: Optional[int] = None
 
     # ------------------------------------------------------------ the schedule
 
@@ -161,11 +159,9 @@ class Hub:
 
     def _resume(self, r: int, value: Any) -> Any:
         torch.set_rng_state(self._rng[r])
-        self.running = r
         try:
             return self._glets[r].switch() if value is _START else self._glets[r].switch(value)
         finally:
-            self.running = None
             self._rng[r] = torch.get_rng_state()
 
     def wait(self, op) -> Any:
