@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 
@@ -137,9 +138,12 @@ class Replica:
                 self.tracker.maybe_evaluate(self.model, t)
         test_acc = test_loss = local_acc = local_loss = float("nan")
         if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
+            m = cfg.train.eval_samples  # (None: the whole split)
+            if self.vectorized:
+                test_acc, test_loss = self._evaluate_stacked(t, m)
             with self.timer("eval"):
-                m = cfg.train.eval_samples  # (None: the whole split)
-                test_acc, test_loss = train.evaluate(self.model, self.data.x_test[:m], self.data.y_test[:m])
+                if not self.vectorized:
+                    test_acc, test_loss = train.evaluate(self.model, self.data.x_test[:m], self.data.y_test[:m])
                 if self.has_local_test:
                     local_acc, local_loss = train.evaluate(self.model, self.data.x_local, self.data.y_local)
             self.test_acc, self.test_loss = test_acc, test_loss
@@ -154,14 +158,31 @@ class Replica:
         member = vectorized.Member(self.model, self.opt, self.flat, self.data.x, self.data.y, self.rank)
 
         def step(members: List[vectorized.Member]) -> list:
-            trainer = self.world.shared(("stacked trainer", len(members)), lambda: vectorized.StackedTrainer(
-                members[0].model, torch.zeros((len(members), self.n_params), dtype=self.flat.dtype), cfg.train,
-                name=cfg.model.name))
-            return vectorized.train_members(trainer, members, cfg.seed, t, steps)
+            return vectorized.train_members(self._stacked_trainer(len(members)), members, cfg.seed, t, steps)
 
         with self.timer("idle"):
             res, seconds = self.world.together(("train", t), member, step)
         self.timer.reassign(seconds, "idle", "train")
+        return res
+
+    def _stacked_trainer(self, count: int) -> vectorized.StackedTrainer:
+        """The process's stacked model for ``count`` replicas (built once, by the first replica that asks)."""
+        return self.world.shared(("stacked trainer", count), lambda: vectorized.StackedTrainer(
+            self.model, torch.zeros((count, self.n_params), dtype=self.flat.dtype), self.cfg.train,
+            name=self.cfg.model.name))
+
+    def _evaluate_stacked(self, t: int, m: Optional[int]) -> Tuple[float, float]:
+        """This replica's (accuracy, loss) on the shared test split, scored with the process's other replicas as
+        one stacked model (train.vectorize); its share of the seconds is counted as evaluation."""
+        def score(flats: List[torch.Tensor]) -> list:
+            start = time.perf_counter()
+            res = self._stacked_trainer(len(flats)).evaluate(flats, self.data.x_test[:m], self.data.y_test[:m])
+            share = (time.perf_counter() - start) / max(len(flats), 1)
+            return [(r, share) for r in res]
+
+        with self.timer("idle"):
+            res, seconds = self.world.together(("eval", t), self.flat, score)
+        self.timer.reassign(seconds, "idle", "eval")
         return res
 
     def _batch_hook(self, t: int, serve: Optional[Callable[[], None]]) -> Optional[Callable[[int], None]]:

@@ -1169,6 +1169,8 @@ def bench_scale(args) -> int:
             extra.append(f"data.samples={args.samples_per_replica * n}")
         if args.budget is not None:
             extra.append(f"train.budget={args.budget}")
+        if args.steps_per_unit:
+            extra += ["train.unit=steps", f"train.steps_per_unit={args.steps_per_unit}"]
         extra += args.set
         cfg = config.load(args.config, extra)
         gen_s = _prepare_data(cfg, env)
@@ -1198,6 +1200,7 @@ def bench_scale(args) -> int:
     print(f"bench scale: {' '.join(launcher)} -n {args.processes} communities run {args.config} world_size=N "
           f"({rows[-1]['units']} units" + (f", data.samples = {args.samples_per_replica} x N" if
                                             args.samples_per_replica else "") +
+          (f", {args.steps_per_unit} steps a unit" if args.steps_per_unit else "") +
           (f", {' '.join(args.set)}" if args.set else "") + f"); {machine}")
     print()
     print(scale_table(rows))
@@ -1325,6 +1328,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-replica", type=int, default=320,
                    help="data.samples = this x N (mnist1d; 80%% training: >= 200 per replica in every group "
                         "of 4); 0 keeps the config's")
+    p.add_argument("--steps-per-unit", type=int, default=10,
+                   help="train.unit=steps with this many steps, so that every replica does the same work a unit "
+                        "(default 10; 0 keeps the config's unit). population.yaml trains an epoch a unit, and its "
+                        "groups 0 and 1 hold 3 labels to groups 2 and 3's 2: process 0 hosts them and trains 1.5x "
+                        "the steps, so process 1 would wait a third of every unit on the data, not on the engine")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     p.add_argument("--mpiexec", default=None, help="launcher (default: mpiexec next to python, else on PATH)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it is killed")

@@ -170,6 +170,40 @@ class StackedTrainer:
         return {n: self.flats[:, o: o + int(np.prod(s, dtype=np.int64))].view(self.R, *s)
                 for n, s, o in zip(self.names, self.shapes, self.offsets)}
 
+    @torch.no_grad()
+    def evaluate(self, weights: Sequence[torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int = 512,
+                 chunk: int = 32) -> List[Tuple[float, float]]:
+        """(accuracy, mean cross-entropy) on (x, y) of each of ``weights`` (flat buffers whose first ``n_params``
+        values are the parameters), as ``train.evaluate`` gives one by one: a process's replicas scored as one
+        stacked model, ``chunk`` replicas and ``batch_size`` examples at a time (about chunk x batch_size
+        activations held). Equal to the one-by-one path within float rounding: the stacked convolutions and
+        matrix products sum in another order, so a loss may differ in its last bits and an example whose top two
+        logits tie within that rounding may flip (the tests bound both)."""
+        n, P = len(y), self.n_params
+        out: List[Tuple[float, float]] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            fn = vmap(lambda params, xb: functional_call(self.model, params, (xb,)), in_dims=(0, None),
+                      randomness="same")
+            for lo in range(0, len(weights), chunk):
+                rows = torch.stack([w[:P] for w in weights[lo: lo + chunk]])
+                params = {k: rows[:, o: o + int(np.prod(s, dtype=np.int64))].view(len(rows), *s)
+                          for k, s, o in zip(self.names, self.shapes, self.offsets)}
+                loss = torch.zeros(len(rows), dtype=torch.float64)
+                correct = torch.zeros(len(rows), dtype=torch.int64)
+                for b in range(0, n, batch_size):
+                    logits = fn(params, x[b: b + batch_size])  # (replicas, batch, classes)
+                    yb = y[b: b + batch_size]
+                    ce = -logits.log_softmax(-1).gather(2, yb.expand(len(rows), -1)[:, :, None]).squeeze(2)
+                    loss += ce.sum(1).double()
+                    correct += (logits.argmax(2) == yb).sum(1)
+                m = max(n, 1)
+                out += [(int(c) / m, float(v) / m) for c, v in zip(correct, loss)]
+        finally:
+            self.model.train(was_training)
+        return out
+
     def _build_step(self) -> Tuple[Callable, Callable]:
         """(full, masked): a step on equal batches (the mean, as train.train_unit), and on padded ones."""
         model = self.model

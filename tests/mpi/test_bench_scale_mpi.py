@@ -32,3 +32,7 @@ def test_bench_scale_on_two_tiny_populations(tmp_path, capsys):
     assert data["rows"][1]["first_round_ari"] >= 0.9  # 4 planted groups of 2 replicas
     assert data["growth"]["throughput_rps"]["points"] == 2
     assert (tmp_path / "runs" / "scale_n8" / "summary.json").exists()
+    import yaml
+
+    train = yaml.safe_load((tmp_path / "runs" / "scale_n8" / "config.yaml").read_text())["train"]
+    assert (train["unit"], train["steps_per_unit"]) == ("steps", 10)  # the same work a unit for every replica

@@ -28,5 +28,14 @@ def test_stacked_training_equals_the_sequential_path_within_rounding(tiny_config
     sa, sb = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("seq", "vec"))
     assert sa["merges"] == sb["merges"] and sa["communities_per_round"] == sb["communities_per_round"]
     assert sb["time_split"]["train"] > 0  # the stacked step's seconds are each replica's share of training
+    assert sb["time_split"]["eval"] > 0  # and the stacked evaluation's, of evaluation
+    rows = {n: [json.loads(line) for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+            for n in ("seq", "vec")}
+    scored = [(r, q) for r, q in zip(rows["seq"], rows["vec"]) if r["test_acc"] is not None]
+    assert len(scored) == 8 * 2  # every replica scored itself at t=10 and t=20, stacked as one by one
+    for r, q in scored:
+        assert (r["t"], r["rank"]) == (q["t"], q["rank"])
+        assert q["test_acc"] == pytest.approx(r["test_acc"], abs=0.01)
+        assert q["test_loss"] == pytest.approx(r["test_loss"], rel=1e-3)
     assert res["refused"].returncode == 2
     assert "train.vectorize=on cannot apply with examples.track" in res["refused"].stdout + res["refused"].stderr

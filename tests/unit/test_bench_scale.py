@@ -64,3 +64,5 @@ def test_parser_passes_overrides():
     args = bench.build_parser().parse_args(["scale", "--sizes", "4", "8", "--budget", "2", "--set", "a=1",
                                             "--set", "b=2"])
     assert (args.sizes, args.budget, args.set, args.processes) == ([4, 8], 2, ["a=1", "b=2"], 2)
+    assert args.steps_per_unit == 10  # equal work a unit unless asked (0: the config's unit)
+    assert bench.build_parser().parse_args(["scale", "--steps-per-unit", "0"]).steps_per_unit == 0

@@ -254,3 +254,29 @@ def test_members_keep_their_own_weights_and_torch_optim_state(opt):
             assert torch.allclose(o.state[p][key], so.state[sp][key], atol=TOL)
             if cfg.optimizer == "adamw":
                 assert float(o.state[p]["step"]) == float(so.state[sp]["step"])
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn1d"])
+def test_stacked_evaluation_scores_each_replica_as_train_evaluate_does(model):
+    """Every replica's (accuracy, loss) from the stacked evaluation equals train.evaluate's within float rounding,
+    over chunks of replicas and batches of examples that do not divide the counts, and the model's mode is kept."""
+    cfg = _cfg()
+    if model == "mlp":
+        ms, _, trainer = _replicas(cfg, 7)
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(203, 10, generator=g), torch.randint(0, 3, (203,), generator=g)
+    else:
+        def make():
+            return models.CNN1D(40, 10, 8)
+        ms, _, trainer = _replicas(cfg, 7, model=make)
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(203, 40, generator=g), torch.randint(0, 10, (203,), generator=g)
+    flats = [torch.cat([_weights([m])[0], torch.full((3,), 7.0)]) for m in ms]  # a tail past the parameters
+    trainer.model.train()
+    got = trainer.evaluate(flats, x, y, batch_size=64, chunk=3)
+    assert trainer.model.training
+    want = [train.evaluate(m, x, y) for m in ms]
+    assert len({round(a, 4) for a, _ in want}) > 1  # the replicas differ: a mix-up of rows would show
+    for (acc, loss), (acc0, loss0) in zip(got, want):
+        assert acc == pytest.approx(acc0, abs=1 / 203 + 1e-12)
+        assert loss == pytest.approx(loss0, rel=1e-5)
