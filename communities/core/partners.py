@@ -8,7 +8,7 @@ Both exclude i itself and become uniform gossip as p_cross -> p_intra or T -> in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 
@@ -200,3 +200,25 @@ class Law:
         if self.kind == "hierarchical" and self.heights is not None:
             return hierarchical_probabilities(self.heights, i, self.temperature)
         return uniform_probabilities(self.n, i)
+
+    def rows(self, ids: List[int]) -> np.ndarray:
+        """``np.stack([self.probabilities(i) for i in ids])``, bit for bit, built as one (len(ids), N) array for
+        the flat and uniform laws (the hierarchical and frozen laws row by row)."""
+        ids_a = np.asarray(ids, dtype=np.int64)
+        k = len(ids_a)
+        flat = self.kind == "flat" and self.labels is not None
+        if flat:
+            labels = np.asarray(self.labels)
+            w = np.where(labels[ids_a][:, None] == labels[None, :], float(self.p_intra), float(self.p_cross))
+        elif self.kind == "uniform":
+            w = np.ones((k, self.n), dtype=np.float64)
+        else:
+            return np.stack([self.probabilities(int(i)) for i in ids_a]) if k else np.zeros((0, self.n))
+        w[np.arange(k), ids_a] = 0.0
+        total = w.sum(axis=1)
+        alone = ~(total > 0) if flat else np.zeros(k, dtype=bool)  # alone with p_cross == 0: uniform
+        if alone.any():
+            w[alone] = 1.0
+            w[np.flatnonzero(alone), ids_a[alone]] = 0.0
+            total[alone] = w[alone].sum(axis=1)
+        return w / total[:, None]

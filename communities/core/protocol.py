@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from enum import IntEnum
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -75,19 +75,33 @@ class MergeClock:
 
 
 def exchange_list(
-    initiators: Sequence[int], t: int, seed: int, probabilities: Callable[[int], np.ndarray]
+    initiators: Sequence[int], t: int, seed: int, probabilities: Callable[[int], np.ndarray],
+    rows: Optional[Callable[[List[int]], np.ndarray]] = None, block: int = 64,
 ) -> List[Exchange]:
-    """Ordered exchanges of unit t: each initiator (increasing rank) draws its partner."""
-    from .partners import draw
+    """Ordered exchanges of unit t: each initiator (increasing rank) draws its partner (``partners.draw``).
 
+    ``rows(ids)``, where given, is ``np.stack([probabilities(i) for i in ids])`` built at once (``Law.rows``).
+    The draws go ``block`` initiators at a time: one (block, N) cumulative sum instead of one per initiator,
+    the same bits as ``partners.draw`` row by row (numpy sums and accumulates each row of a C-ordered matrix
+    as it does one vector; tested), and never an N x N matrix.
+    """
+    ids = sorted(int(x) for x in initiators)
+    if rows is None:
+        def rows(chunk: List[int]) -> np.ndarray:
+            return np.stack([np.asarray(probabilities(i), dtype=np.float64) for i in chunk])
     out: List[Exchange] = []
-    for i in sorted(int(x) for x in initiators):
-        p = probabilities(i)
-        if not p.sum() > 0:  # nobody eligible (every other rank excluded)
-            continue
-        j = draw(p, rng(seed, Purpose.PARTNER, t, i))
-        if j != i:
-            out.append((i, j))
+    for lo in range(0, len(ids), block):
+        chunk = ids[lo: lo + block]
+        cdf = np.cumsum(rows(chunk), axis=1)
+        last = cdf.shape[1] - 1
+        for r, i in enumerate(chunk):
+            total = cdf[r, last]
+            if not total > 0:  # nobody eligible (every other rank excluded)
+                continue
+            u = rng(seed, Purpose.PARTNER, t, i).random() * total
+            j = int(min(np.searchsorted(cdf[r], u, side="right"), last))
+            if j != i:
+                out.append((i, j))
     return out
 
 

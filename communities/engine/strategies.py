@@ -212,7 +212,8 @@ class Gossip(Strategy):
         probabilities = self.probabilities(law)
         ranks = [int(i) for i in initiators]
         if excluded is None or not excluded.any():
-            return protocol.exchange_list(ranks, t, self.cfg.seed, probabilities)
+            rows = law.rows if probabilities == law.probabilities else None  # no staleness bias
+            return protocol.exchange_list(ranks, t, self.cfg.seed, probabilities, rows)
         ranks = [i for i in ranks if not excluded[i]]
 
         def eligible(i: int) -> np.ndarray:

@@ -196,3 +196,38 @@ def test_bench_partners_runs_small_and_prints(capsys, tmp_path):
     assert bench.main_bench(["partners", "--n", "8", "32", "--reps", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "all N ms (cpu)" in text and "least_recent" in text and out.exists()
+
+
+# ----------------------------------------------------------------------------- draws a block of initiators at a time
+
+
+def ref_exchange_list(initiators, t, seed, probabilities):
+    """Unit t's exchanges as first written: one probability vector, cumulative sum and draw per initiator."""
+    out = []
+    for i in sorted(int(x) for x in initiators):
+        p = probabilities(i)
+        if not p.sum() > 0:
+            continue
+        j = partners.draw(p, protocol.rng(seed, protocol.Purpose.PARTNER, t, i))
+        if j != i:
+            out.append((i, j))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), groups=st.integers(1, 6), p_cross=st.sampled_from([0.0, 1e-3, 0.05, 0.3, 1.0]),
+       kind=st.sampled_from(["flat", "uniform", "frozen"]), t=st.integers(0, 50), block=st.integers(1, 70),
+       seed=st.integers(0, 3))
+def test_rows_and_block_draws_give_the_bits_of_the_row_by_row_law(n, groups, p_cross, kind, t, block, seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, groups, size=n)
+    law = partners.Law(kind, n, labels=labels, p_intra=1.0, p_cross=p_cross)
+    ids = sorted(rng.choice(n, size=int(rng.integers(0, n + 1)), replace=False).tolist())
+    with np.errstate(invalid="ignore", divide="ignore"):  # a lone rank of N = 1 has nobody to draw
+        rows = law.rows(ids)
+        assert rows.shape == (len(ids), n)
+        for r, i in enumerate(ids):
+            np.testing.assert_array_equal(rows[r], law.probabilities(i))
+        want = ref_exchange_list(ids, t, seed, law.probabilities)
+        assert protocol.exchange_list(ids, t, seed, law.probabilities, law.rows, block=block) == want
+        assert protocol.exchange_list(ids, t, seed, law.probabilities, block=block) == want
