@@ -24,6 +24,7 @@ from ..results import MetricRow
 from ..runtime.collective import on_every_rank
 from ..runtime.comm import World
 from ..workload import models, train, vectorized
+from ..workload.vectorized import StackedTrainer
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
 from .replica_data import ReplicaData, load_replica_data
@@ -165,9 +166,9 @@ class Replica:
         self.timer.reassign(seconds, "idle", "train")
         return res
 
-    def _stacked_trainer(self, count: int) -> vectorized.StackedTrainer:
+    def _stacked_trainer(self, count: int) -> StackedTrainer:
         """The process's stacked model for ``count`` replicas (built once, by the first replica that asks)."""
-        return self.world.shared(("stacked trainer", count), lambda: vectorized.StackedTrainer(
+        return self.world.shared(("stacked trainer", count), lambda: StackedTrainer(
             self.model, torch.zeros((count, self.n_params), dtype=self.flat.dtype), self.cfg.train,
             name=self.cfg.model.name))
 
