@@ -257,6 +257,7 @@ class StackedTrainer:
             steps = cfg.steps_per_unit
         X, Y, offs = self._stacked_data(xs, ys)
         dev = self.flats.device
+        self.model.train()  # as train.train_unit does: the template may have been left in eval mode by a score
         plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps)) for r in range(R)]
         idx, sizes = _index_plan(plans, offs)  # (K, R, B) rows of X, (K, R) batch sizes
         K, B = idx.shape[0], idx.shape[2]

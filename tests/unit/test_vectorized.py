@@ -207,6 +207,7 @@ def test_dropout_is_trained_with_different_masks_but_auto_stays_sequential():
     flats = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])] * 2)
     trainer = vz.StackedTrainer(m, flats, cfg)
     assert trainer.randomness == "different"
+    m.eval()  # as train.evaluate leaves a replica's model: training must still drop out
     torch.manual_seed(0)
     trainer.train_unit([xs[0], xs[0]], [ys[0], ys[0]], [0, 0], 0, 0)  # same data and batches, other masks
     assert not torch.equal(flats[0], flats[1])
