@@ -164,3 +164,23 @@ def test_the_async_draw_before_communities_skips_unavailable_ranks():
     mixer.world = SimpleNamespace(whole=False, alive=np.array([False, True, True, True]))
     for t in range(20):
         assert mixer._draw(t, np.zeros(n, dtype=bool))[0] == 3
+
+
+@pytest.mark.parametrize("policy", ["none", "more_when_far"])
+def test_a_checkpoint_keeps_the_round_distances_only_for_pass_similarity(policy):
+    """The condensed distances are N(N-1)/2 floats in every replica's file; only examples.pass_similarity reads
+    them after the round, so without it the state holds none, and labels, tree and cut height round-trip."""
+    from communities.core.clustering import find_communities
+
+    n = 12
+    sig = np.repeat(np.eye(3), 4, axis=0) + 0.01 * np.random.default_rng(0).normal(size=(n, 3))
+    com = find_communities(sig)
+    strat = strategies.make(make_cfg(strategy="community", **{"examples.pass_similarity": policy}), n)
+    strat.communities = com
+    state = strat.state_dict()
+    kept = state["communities"]["distances"].numel()
+    assert kept == (n * (n - 1) // 2 if policy != "none" else 0)
+    again = strategies.make(make_cfg(strategy="community", **{"examples.pass_similarity": policy}), n)
+    again.load_state_dict(state)
+    assert np.array_equal(again.communities.labels, com.labels) and np.array_equal(again.communities.Z, com.Z)
+    assert again.communities.cut_height == com.cut_height
