@@ -147,7 +147,11 @@ def ring_partner(i: int, n: int, t: int) -> int:
 
 def draw(probabilities: np.ndarray, rng: np.random.Generator) -> int:
     """Inverse-CDF draw; deterministic for a given generator state."""
-    cdf = np.cumsum(probabilities)
+    return draw_from_cdf(np.cumsum(probabilities), rng)
+
+
+def draw_from_cdf(cdf: np.ndarray, rng: np.random.Generator) -> int:
+    """``draw`` given the cumulative sum of the probabilities (``protocol.exchange_list`` takes a block's at once)."""
     u = rng.random() * cdf[-1]
     return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
 

@@ -85,6 +85,8 @@ def exchange_list(
     the same bits as ``partners.draw`` row by row (numpy sums and accumulates each row of a C-ordered matrix
     as it does one vector; tested), and never an N x N matrix.
     """
+    from .partners import draw_from_cdf
+
     ids = sorted(int(x) for x in initiators)
     if rows is None:
         def rows(chunk: List[int]) -> np.ndarray:
@@ -93,13 +95,10 @@ def exchange_list(
     for lo in range(0, len(ids), block):
         chunk = ids[lo: lo + block]
         cdf = np.cumsum(rows(chunk), axis=1)
-        last = cdf.shape[1] - 1
         for r, i in enumerate(chunk):
-            total = cdf[r, last]
-            if not total > 0:  # nobody eligible (every other rank excluded)
+            if not cdf[r, -1] > 0:  # nobody eligible (every other rank excluded)
                 continue
-            u = rng(seed, Purpose.PARTNER, t, i).random() * total
-            j = int(min(np.searchsorted(cdf[r], u, side="right"), last))
+            j = draw_from_cdf(cdf[r], rng(seed, Purpose.PARTNER, t, i))
             if j != i:
                 out.append((i, j))
     return out
