@@ -12,7 +12,7 @@
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
-EXTRAS ?= mpich,inspect,mnist1d,test,dev
+EXTRAS ?= mpich,inspect,mnist1d,privacy,test,dev
 NP     ?= 8
 CONFIG ?= configs/quickstart.yaml
 PY     := $(VENV)/bin/python

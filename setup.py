@@ -35,6 +35,8 @@ setup(
         # communities inspect; pandas for the notebook API (communities.open_run's frames)
         "inspect": ["matplotlib>=3.6", "pandas>=1.5"],
         "mnist1d": ["mnist1d>=0.0.2"],
+        # privacy.enabled: true (DP-SGD's accountant; opacus brings no torch of its own beyond torch>=2.6)
+        "privacy": ["opacus>=1.5"],
         # logging.tensorboard: true (torch.utils.tensorboard's writer needs the tensorboard package)
         "tensorboard": ["tensorboard>=2.10"],
         # nbclient, nbformat and ipykernel execute docs/notebooks/ headless (tests/unit/test_notebook_api.py)

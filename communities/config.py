@@ -455,6 +455,42 @@ class IfcaConfig(_Section):
                           "units of train.budget); the one with the lowest mean training loss goes on")
 
 
+class PrivacyConfig(_Section):
+    """DP-SGD on every replica (Abadi et al. 2016): per-example clipping, Gaussian noise, Opacus's accountant."""
+
+    enabled: bool = Field(False, description="each replica trains with DP-SGD; needs the privacy extra "
+                          "(pip install -e '.[privacy]')")
+    max_grad_norm: float = Field(1.0, gt=0, description="C: every example's gradient is scaled to norm <= C")
+    noise_multiplier: Optional[float] = Field(
+        None, ge=0, description="sigma: noise N(0, (sigma C)^2) per coordinate on each step's sum of clipped "
+        "gradients; set this or epsilon")
+    epsilon: Optional[float] = Field(
+        None, gt=0, description="target epsilon for the planned train.budget: the noise multiplier is derived "
+        "(Opacus's get_noise_multiplier) from each replica's sampling rate and planned steps; set this or "
+        "noise_multiplier")
+    delta: float = Field(1e-5, gt=0, lt=1, description="the delta of every epsilon reported")
+    sampling: Literal["poisson", "shuffle"] = Field(
+        "poisson", description="poisson: each step takes each example of the shard with probability q = "
+        "batch_size / shard size, what the accountant assumes; shuffle: the plain run's shuffled batches, "
+        "accounted as if Poisson at the same q (common practice, not what the analysis proves)")
+    noise: Literal["secret", "seeded"] = Field(
+        "secret", description="secret: each replica's noise generator is seeded from the OS's entropy and never "
+        "written or sent (runs are not bitwise reproducible); seeded: keyed by (seed, unit, replica), bitwise "
+        "reproducible and resumable, but anyone who knows the config's seed can subtract the noise: for "
+        "experiments, not for protecting data")
+    accountant: Literal["rdp"] = Field("rdp", description="Opacus's Renyi-DP accountant")
+
+    @model_validator(mode="after")
+    def _one_noise(self):
+        given = [k for k in ("noise_multiplier", "epsilon") if getattr(self, k) is not None]
+        if self.enabled and len(given) != 1:
+            raise ValueError("privacy.enabled=true needs exactly one of privacy.noise_multiplier and privacy.epsilon"
+                             + (" (both are set)" if len(given) == 2 else " (neither is set)"))
+        if not self.enabled and given:
+            raise ValueError(f"privacy.{given[0]} has no effect with privacy.enabled=false")
+        return self
+
+
 Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce", "ifca", "oracle"]
 STRATEGIES = get_args(Strategy)
 SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training (every step)
@@ -492,6 +528,7 @@ class Config(_Section):
     examples: ExamplesConfig = ExamplesConfig()
     logging: LoggingConfig = LoggingConfig()
     ifca: IfcaConfig = IfcaConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
 
     @field_validator("name", mode="after")
     @classmethod
@@ -524,6 +561,34 @@ class Config(_Section):
             if self.output.round_snapshots:
                 raise ValueError("output.round_snapshots=true needs protocol='virtual_clock' (signature rounds that "
                                  "every rank takes at the same unit)")
+        return self
+
+    @model_validator(mode="after")
+    def _privacy(self):
+        """Combinations that would break DP-SGD's guarantee on each replica's shard, refused by name."""
+        if not self.privacy.enabled:
+            return self
+        why = None
+        if self.examples.pass_hard:
+            why = "examples.pass_hard=true (it sends raw training examples to partners)"
+        elif self.examples.track:
+            why = ("examples.track=true (it scores every example of the shard without noise and retires or logs "
+                   "them by confidence)")
+        elif self.signature.kind in ("logits", "cka"):
+            why = (f"signature.kind={self.signature.kind!r} (its probe batch is training examples drawn from every "
+                   "rank's shard, sent as the model's outputs on them without noise)")
+        elif self.strategy == "ifca":
+            why = "strategy='ifca' (each rank picks its model by the loss on its shard, without noise)"
+        elif self.comm.fault_tolerance == "shrink" and self.comm.lost_shard == "adopt":
+            why = ("comm.lost_shard='adopt' (survivors would train on a lost rank's shard outside that shard's "
+                   "accounting)")
+        elif self.model.batchnorm:
+            why = "model.batchnorm=true (batch statistics mix the examples of a batch: no gradient is one example's)"
+        elif self.model.dropout > 0:
+            why = (f"model.dropout={self.model.dropout} (the clipping pass and the gradient pass would draw "
+                   "different masks)")
+        if why is not None:
+            raise ValueError(f"privacy.enabled=true is refused with {why}")
         return self
 
     @model_validator(mode="after")

@@ -7,7 +7,7 @@ sits in virtual time: the same on a resumed run as on an uninterrupted one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core import protocol
+
+if TYPE_CHECKING:
+    from .private import PrivateGradient
 
 
 def make_optimizer(cfg, params) -> torch.optim.Optimizer:
@@ -35,14 +38,35 @@ class UnitResult:
     steps: int
 
 
-def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Optional[int]):
+def poisson_steps(n: int, batch_size: int, steps: Optional[int]) -> int:
+    """Steps of a Poisson-sampled unit: ``steps``, else an epoch's worth (n / batch size, at least 1)."""
+    return steps if steps is not None else max(1, round(n / batch_size))
+
+
+def steps_per_unit(cfg, n: int, poisson: bool) -> int:
+    """Optimizer steps one unit takes on a shard of n examples (a TrainConfig): what DP-SGD's accounting counts."""
+    if cfg.unit == "steps":
+        return cfg.steps_per_unit
+    return poisson_steps(n, cfg.batch_size, None) if poisson else -(-n // cfg.batch_size)
+
+
+def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Optional[int], poisson: bool = False):
     """Index batches for unit t: one shuffled epoch, or exactly ``steps`` full batches.
 
     In step mode every batch has ``min(batch_size, n)`` examples, drawn from
     successive permutations, so ranks with different shard sizes take the same
     number of equal steps (what a per-step collective needs).
+
+    ``poisson`` (privacy.sampling: poisson): every step takes each example
+    independently with probability ``q = batch_size / n``, the sampling DP-SGD's
+    accountant assumes; batches vary in size and may be empty.
     """
     g = protocol.rng(seed, protocol.Purpose.SHUFFLE, t, rank)
+    if poisson:
+        q = min(1.0, batch_size / n)
+        for _ in range(poisson_steps(n, batch_size, steps)):
+            yield np.flatnonzero(g.random(n) < q)
+        return
     if steps is None:
         perm = g.permutation(n)
         for lo in range(0, n, batch_size):
@@ -59,7 +83,8 @@ def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Option
 
 def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg, seed: int,
                rank: int, t: int, steps: Optional[int] = None, grad_sync: Optional[Callable[[], None]] = None,
-               between_batches: Optional[Callable[[int], None]] = None) -> UnitResult:
+               between_batches: Optional[Callable[[int], None]] = None,
+               private: Optional["PrivateGradient"] = None) -> UnitResult:
     """Train one unit; returns mean loss and accuracy over the unit's batches.
 
     ``steps`` fixes the number of steps (else one epoch, or ``cfg.steps_per_unit``
@@ -68,6 +93,8 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     as tensors, not set to None, so a flat gradient buffer stays bound.
     ``between_batches(k)`` runs after the k-th optimizer step: where the
     asynchronous protocol serves its partners, and where injected slowdowns sleep.
+    ``private`` (privacy.enabled) computes each step's gradient as DP-SGD's clipped,
+    noised sum instead of the plain backward.
     """
     model.train()
     if steps is None and cfg.unit == "steps":
@@ -76,20 +103,27 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
     seen = n_steps = 0
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    for idx in batches(len(y), cfg.batch_size, seed, rank, t, steps):
+    poisson = private is not None and private.poisson
+    gen = private.generator(t) if private is not None else None
+    for idx in batches(len(y), cfg.batch_size, seed, rank, t, steps, poisson=poisson):
         if len(idx) < 2 and has_bn and grad_sync is None:
             continue  # BatchNorm cannot train on a batch of one
         ix = torch.as_tensor(idx, device=x.device)
         xb, yb = x[ix], y[ix]
-        out = model(xb)
-        loss = F.cross_entropy(out, yb)
-        opt.zero_grad(set_to_none=grad_sync is None)
-        loss.backward()
+        if private is None:
+            out = model(xb)
+            loss = F.cross_entropy(out, yb)
+            opt.zero_grad(set_to_none=grad_sync is None)
+            loss.backward()
+        else:  # the expected batch size under Poisson sampling, the batch's own under shuffling
+            denom = min(cfg.batch_size, len(y)) if poisson else len(idx)
+            out, loss = private.backward(xb, yb, denom, opt, gen, set_to_none=grad_sync is None)
         if grad_sync is not None:
             grad_sync()
         opt.step()
-        total_loss += loss.detach().double() * len(idx)
-        correct += (out.detach().argmax(1) == yb).sum()
+        if out is not None and loss is not None:
+            total_loss += loss.detach().double() * len(idx)
+            correct += (out.detach().argmax(1) == yb).sum()
         seen += len(idx)
         n_steps += 1
         if between_batches is not None:

@@ -1,0 +1,137 @@
+"""DP-SGD's gradient for one replica: clip every example's gradient, sum, add Gaussian noise.
+
+Two passes per step, both exact:
+
+1. per-example gradient norms with ``torch.func`` (``vmap(grad(...))`` over the
+   batch, on the replica's current weights);
+2. one ordinary backward of ``sum_i c_i * loss_i / b`` with the clipping factors
+   ``c_i = min(1, C / ||g_i||)`` held fixed, which is ``sum_i c_i g_i / b``.
+
+The second pass is the plain training step's own backward whenever no factor
+binds (every ``c_i`` is exactly 1.0), so with no noise and a bound that never
+binds a private run is bit for bit the plain run. Noise ``N(0, (sigma C)^2)``
+per coordinate is then added to the sum, and the sum divided by ``b``: the
+batch's size under ``privacy.sampling: shuffle``, the expected batch size
+(``q * n``) under Poisson sampling, as Opacus does.
+
+Models whose forward is random (dropout) or mixes examples (batch norm) are
+refused: the norms of pass 1 must be the norms of pass 2's gradients, and an
+example's gradient must depend on that example only.
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn import functional as F
+
+from ..core import privacy, protocol
+from ..errors import ConfigError
+
+DP_NOISE = 11  # protocol.Purpose-style stream id of privacy.noise='seeded' (not in the enum: a private stream)
+
+
+def require_opacus() -> None:
+    """A ConfigError that says how to install Opacus, when it is missing."""
+    try:
+        import opacus  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("privacy.enabled=true accounts privacy with Opacus, which is not installed "
+                          f"({exc}): pip install -e '.[privacy]' (or pip install opacus)") from None
+
+
+def refuse_model(model: nn.Module, name: str) -> None:
+    """A ConfigError naming privacy.enabled for layers DP-SGD's clipping cannot bound."""
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._NormBase):
+            raise ConfigError(f"privacy.enabled=true cannot train model.name={name!r}: its layer "
+                              f"{mod_name or '(root)'} ({type(mod).__name__}) mixes the examples of a batch, so no "
+                              "example's gradient is its own to clip (use GroupNorm or LayerNorm, or no norm layer)")
+        if isinstance(mod, nn.modules.dropout._DropoutNd):
+            raise ConfigError(f"privacy.enabled=true cannot train model.name={name!r}: its layer "
+                              f"{mod_name or '(root)'} ({type(mod).__name__}) draws a random mask per pass, so the "
+                              "clipping pass would bound other gradients than the ones applied (model.dropout: 0)")
+
+
+def check_model(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """refuse_model, then per-example gradients of two examples: a model torch.func cannot take fails here,
+    naming privacy.enabled, before any training."""
+    refuse_model(model, name)
+    probe = PrivateGradient(model, max_grad_norm=1.0, noise_multiplier=0.0, noise="seeded", seed=0, rank=0)
+    try:
+        norms = probe.norms(x[:2], y[:2])
+    except Exception as exc:  # the user's forward() under vmap: one line naming the model
+        raise ConfigError(f"privacy.enabled=true needs per-example gradients of model.name={name!r} through "
+                          f"torch.func (vmap of grad), which raised {type(exc).__name__}: {exc}") from None
+    if not bool(torch.isfinite(norms).all()):
+        raise ConfigError(f"privacy.enabled=true: model.name={name!r} gives non-finite per-example gradients at "
+                          "its initial weights")
+
+
+class PrivateGradient:
+    """Clipped, noised gradients of one replica's model (``privacy.enabled``); see the module docstring."""
+
+    def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float, noise: str, seed: int,
+                 rank: int, poisson: bool = True):
+        self.model, self.poisson = model, bool(poisson)
+        self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
+        self.noise, self.seed, self.rank = noise, int(seed), int(rank)
+        self.params = [p for p in model.parameters()]
+        self.names = [n for n, _ in model.named_parameters()]
+        self.n_params = sum(p.numel() for p in self.params)
+        # secret: seeded from the OS's entropy, never written or sent (a partner who knew the noise could remove it)
+        self._secret = torch.Generator().manual_seed(secrets.randbits(62)) if noise == "secret" else None
+        self._per_example = vmap(grad(self._loss_of_one), in_dims=(None, None, 0, 0))
+
+    def _loss_of_one(self, params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor], x: torch.Tensor,
+                     y: torch.Tensor) -> torch.Tensor:
+        out = functional_call(self.model, (params, buffers), (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0))
+
+    def norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """Each example's gradient norm at the current weights (pass 1)."""
+        params = {n: p.detach() for n, p in zip(self.names, self.params)}
+        buffers = {n: b.detach() for n, b in self.model.named_buffers()}
+        per = self._per_example(params, buffers, xb, yb)
+        sq = torch.zeros(len(yb), dtype=torch.float64, device=yb.device)
+        for g in per.values():
+            sq += g.reshape(len(yb), -1).double().pow(2).sum(1)
+        return sq.sqrt()
+
+    def generator(self, t: int) -> torch.Generator:
+        """The unit's noise stream: secret, or keyed by (seed, t, replica) under privacy.noise='seeded'."""
+        if self._secret is not None:
+            return self._secret
+        key = int(protocol.rng(self.seed, DP_NOISE, t, self.rank).integers(2**62))
+        return torch.Generator().manual_seed(key)
+
+    def backward(self, xb: torch.Tensor, yb: torch.Tensor, denom: float, opt: torch.optim.Optimizer,
+                 gen: torch.Generator, set_to_none: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Leave ``(sum_i c_i g_i + N(0, (sigma C)^2 I)) / denom`` in the parameters' ``.grad``.
+
+        Returns (logits, mean loss) for the unit's figures, or (None, None) for an empty
+        Poisson batch (whose gradient is the noise alone).
+        """
+        out = loss = None
+        opt.zero_grad(set_to_none=set_to_none)
+        if len(yb):
+            factors = privacy.clip_factors(self.norms(xb, yb), self.max_grad_norm).to(torch.float32)
+            out = self.model(xb)
+            per = F.cross_entropy(out, yb, reduction="none")
+            ((per * factors.to(per.dtype)).sum() / denom).backward()
+            loss = F.cross_entropy(out.detach(), yb)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.noise_multiplier > 0:
+            std = privacy.noise_std(self.noise_multiplier, self.max_grad_norm) / denom
+            z = torch.randn(self.n_params, generator=gen, dtype=torch.float32)
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad.add_(z[offset: offset + n].view_as(p).to(p.grad.device, p.grad.dtype), alpha=std)
+                offset += n
+        return out, loss

@@ -1,0 +1,177 @@
+"""DP-SGD (privacy.enabled): clipping bounds every example's gradient, the noise has the configured scale, the
+accounting is Opacus's, noiseless unclipped DP-SGD is the plain step bit for bit, and what would break the guarantee
+is refused by name."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+from communities import config as config_mod
+from communities.core import privacy
+from communities.errors import ConfigError
+from communities.workload import train
+from communities.workload.private import PrivateGradient, refuse_model
+
+opacus = pytest.importorskip("opacus")
+
+
+def _model(seed: int = 0, width: int = 16) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 3))
+
+
+def _batch(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+def _per_example_grads(model: nn.Module, x, y) -> torch.Tensor:
+    """Each example's gradient by its own backward: the reference the vmap pass must match."""
+    rows = []
+    for i in range(len(y)):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x[i: i + 1]), y[i: i + 1]).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return torch.stack(rows)
+
+
+def _grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 0.5, 1e6])
+def test_clipping_bounds_every_example_and_the_step_is_their_clipped_mean(max_norm):
+    model = _model()
+    x, y = _batch(24)
+    g = _per_example_grads(model, x, y)
+    norms = g.double().norm(dim=1)
+    dp = PrivateGradient(model, max_grad_norm=max_norm, noise_multiplier=0.0, noise="seeded", seed=0, rank=0)
+    assert torch.allclose(dp.norms(x, y), norms, rtol=1e-5)  # vmap's per-example norms are the exact ones
+    factors = privacy.clip_factors(norms, max_norm)
+    clipped = g.double() * factors[:, None]
+    assert bool((clipped.norm(dim=1) <= max_norm * (1 + 1e-9)).all())
+    if max_norm < 1:
+        assert bool((factors < 1).any())  # the bound binds for some examples in this case
+    else:
+        assert bool((factors == 1).all())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp.backward(x, y, float(len(y)), opt, dp.generator(0), set_to_none=True)
+    assert torch.allclose(_grad(model).double(), clipped.sum(0) / len(y), atol=1e-6)
+
+
+def test_noise_has_the_configured_scale_and_is_keyed_under_seeded_noise():
+    model = _model(width=2000)  # about 24,000 coordinates: the sample standard deviation is within 2%
+    sigma, c, denom = 1.3, 0.7, 10.0
+    dp = PrivateGradient(model, max_grad_norm=c, noise_multiplier=sigma, noise="seeded", seed=3, rank=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    empty_x, empty_y = torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64)
+    dp.backward(empty_x, empty_y, denom, opt, dp.generator(7), set_to_none=True)  # an empty Poisson batch
+    noise = _grad(model).double()
+    assert float(noise.std()) == pytest.approx(sigma * c / denom, rel=0.02)
+    assert abs(float(noise.mean())) < 4 * sigma * c / denom / math.sqrt(noise.numel())
+    dp.backward(empty_x, empty_y, denom, opt, dp.generator(7), set_to_none=True)
+    assert torch.equal(_grad(model).double(), noise)  # seeded: keyed by (seed, unit, replica)
+    dp.backward(empty_x, empty_y, denom, opt, dp.generator(8), set_to_none=True)
+    assert not torch.equal(_grad(model).double(), noise)
+    secret = [PrivateGradient(model, max_grad_norm=c, noise_multiplier=sigma, noise="secret", seed=3, rank=5)
+              for _ in range(2)]
+    draws = [torch.randn(4, generator=s.generator(7)) for s in secret]
+    assert not torch.equal(*draws)  # secret: seeded from the OS, not the config
+
+
+@settings(max_examples=25, deadline=None)
+@given(sigma=st.floats(0.3, 5.0), q=st.floats(0.001, 0.5), steps=st.integers(1, 5000),
+       delta=st.sampled_from([1e-5, 1e-6, 1e-3]))
+def test_epsilon_equals_opacus_rdp_accountant(sigma, q, steps, delta):
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = [(sigma, q, steps)]
+    assert privacy.epsilon(sigma, q, steps, delta) == pytest.approx(acc.get_epsilon(delta), rel=1e-12)
+
+
+def test_epsilon_edges_and_derived_noise_meets_its_target():
+    assert privacy.epsilon(1.0, 0.1, 0, 1e-5) == 0.0
+    assert privacy.epsilon(0.0, 0.1, 3, 1e-5) == math.inf
+    sigma = privacy.noise_for_epsilon(3.0, 1e-5, 0.02, 2000)
+    eps = privacy.epsilon(sigma, 0.02, 2000, 1e-5)
+    assert 2.95 <= eps <= 3.0
+    assert privacy.epsilon(sigma * 0.9, 0.02, 2000, 1e-5) > 3.0  # less noise would overspend
+
+
+def test_noiseless_unclipped_dp_sgd_is_the_plain_step_bit_for_bit():
+    x, y = _batch(100, seed=4)
+
+    class Cfg:
+        lr, batch_size, unit, steps_per_unit = 0.05, 16, "epoch", 10
+
+    results = []
+    for private in (False, True):
+        model = _model(seed=9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        dp = PrivateGradient(model, max_grad_norm=1e9, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                             poisson=False) if private else None
+        res = [train.train_unit(model, opt, x, y, Cfg, seed=0, rank=1, t=t, private=dp) for t in (1, 2, 3)]
+        results.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]), res))
+    (wa, ra), (wb, rb) = results
+    assert torch.equal(wa, wb)
+    assert [(r.loss, r.accuracy, r.steps) for r in ra] == [(r.loss, r.accuracy, r.steps) for r in rb]
+
+
+def test_poisson_batches_sample_each_example_at_rate_q_and_are_keyed():
+    n, b = 400, 20
+    sizes = [len(ix) for t in range(50) for ix in train.batches(n, b, seed=1, rank=2, t=t, steps=None, poisson=True)]
+    assert len(sizes) == 50 * 20  # an epoch's worth of steps: n / batch size
+    assert np.mean(sizes) == pytest.approx(b, rel=0.05)
+    assert np.std(sizes) > 1  # sizes vary, as Poisson sampling must
+    again = [list(ix) for ix in train.batches(n, b, seed=1, rank=2, t=3, steps=5, poisson=True)]
+    assert again == [list(ix) for ix in train.batches(n, b, seed=1, rank=2, t=3, steps=5, poisson=True)]
+
+
+def _cfg(*overrides: str):
+    return config_mod.load("configs/mnist1d.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["examples.track=true", "examples.pass_hard=true"], "examples.pass_hard"),
+    (["examples.track=true"], "examples.track"),
+    (["signature.kind=cka"], "signature.kind"),
+    (["signature.kind=logits"], "signature.kind"),
+    (["strategy=ifca"], "strategy='ifca'"),
+    (["model.batchnorm=true"], "model.batchnorm"),
+    (["model.dropout=0.1", "model.name=mlp"], "model.dropout"),
+    (["comm.fault_tolerance=shrink", "comm.lost_shard=adopt"], "comm.lost_shard"),
+])
+def test_combinations_that_break_the_guarantee_are_refused_by_name(overrides, key):
+    with pytest.raises(ConfigError, match="privacy.enabled=true is refused with") as err:
+        _cfg("privacy.enabled=true", "privacy.epsilon=8", *overrides)
+    assert key in str(err.value)
+
+
+def test_noise_settings_are_checked():
+    with pytest.raises(ConfigError, match="neither is set"):
+        _cfg("privacy.enabled=true")
+    with pytest.raises(ConfigError, match="both are set"):
+        _cfg("privacy.enabled=true", "privacy.epsilon=8", "privacy.noise_multiplier=1")
+    with pytest.raises(ConfigError, match="privacy.epsilon has no effect"):
+        _cfg("privacy.epsilon=8")
+    with pytest.raises(ConfigError, match="privacy.delta"):
+        _cfg("privacy.enabled=true", "privacy.epsilon=8", "privacy.delta=1.5")
+    assert _cfg("privacy.enabled=true", "privacy.noise_multiplier=0").privacy.noise_multiplier == 0
+
+
+@pytest.mark.parametrize("layer", [nn.BatchNorm1d(4), nn.Dropout(0.2), nn.LayerNorm(4)])
+def test_user_models_with_batch_norm_or_dropout_are_refused(layer):
+    model = nn.Sequential(nn.Linear(8, 4), layer, nn.Linear(4, 3))
+    if isinstance(layer, nn.LayerNorm):  # per-example: allowed
+        refuse_model(model, "pkg:net")
+        return
+    with pytest.raises(ConfigError, match="privacy.enabled=true cannot train model.name='pkg:net'"):
+        refuse_model(model, "pkg:net")
