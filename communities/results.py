@@ -369,15 +369,19 @@ class MetricRow(_Record):
     wall: float  # seconds since the run started (earlier segments of a resumed run included)
     local_acc: float = float("nan")  # on the rank's local test data (data.local_test_fraction)
     local_loss: float = float("nan")
+    epsilon: float = float("nan")  # privacy.enabled: the replica's epsilon so far (at privacy.delta)
 
-    def to_json(self, rank: int, local: bool = False) -> dict:
-        """The metrics.jsonl line; ``local_acc``/``local_loss`` only in runs that hold out local test data."""
+    def to_json(self, rank: int, local: bool = False, private: bool = False) -> dict:
+        """The metrics.jsonl line; ``local_acc``/``local_loss`` only in runs that hold out local test data,
+        ``epsilon`` only in runs with privacy (``Infinity`` never: a noiseless private run writes null)."""
         out = {"t": self.t, "rank": rank, "loss": finite_or_none(self.loss),
                "train_acc": finite_or_none(self.train_acc), "test_acc": finite_or_none(self.test_acc),
                "test_loss": finite_or_none(self.test_loss), "samples": self.samples, "bytes_sent": self.bytes_sent,
                "wall": round(self.wall, 4)}
         if local:
             out.update(local_acc=finite_or_none(self.local_acc), local_loss=finite_or_none(self.local_loss))
+        if private:
+            out["epsilon"] = finite_or_none(self.epsilon)
         return out
 
 
@@ -483,9 +487,10 @@ class Summary:
     community_models: Optional[dict] = None  # the per-community (or IFCA) models delivered (models/communities.json)
     membership: Optional[dict] = None  # comm.fault_tolerance shrink: the survivors, the ranks lost, each recovery
     placement: Optional[dict] = None  # a population (world_size > MPI processes): processes, bytes by kind
+    privacy: Optional[dict] = None  # privacy.enabled: each replica's epsilon, the worst one, noise and sampling
 
     OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement", "local_test", "consensus_mode",
-                                           "community_models", "membership", "placement")
+                                           "community_models", "membership", "placement", "privacy")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -33,6 +33,7 @@ from ..results import Summary, TimeCategory, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import RankLost, World
+from ..workload import private
 from . import protocols, survival, tensorboard_log
 from .checkpoint import Checkpointer, Stateful
 from .community_mode import CommunityMode
@@ -62,6 +63,8 @@ class Engine:
         def check() -> None:
             cfg.check_world(world.size)
             tensorboard_log.check_available(cfg)
+            if cfg.privacy.enabled:
+                private.require_opacus()
 
         collective_check(world, check)
         if cfg.comm.fault_tolerance == "shrink":
@@ -163,7 +166,8 @@ class Engine:
         decision = self._round(t) if self.rounds.due(t) else None
         self.log.consensus(self.consensus.evaluate_due(t))
         self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
-                             self.replica.test_acc, self.replica.recent_loss)
+                             self.replica.test_acc, self.replica.recent_loss,
+                             self.replica.epsilon if self.replica.dp is not None else None)
         if decision is not None and decision.stop:  # identical on every rank (virtual clock): a stop signal is moot
             return True
         # A write that failed on rank 0 (a full disk) stops every rank like a signal, then raises there.
@@ -258,7 +262,12 @@ class Engine:
         model = replica.state_dict_of(mean) if self.world.rank == 0 else None
         with self.world.monitoring():  # measuring, not training traffic
             self.timer.settle(self.world)
-        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views)
+        dp = None
+        if replica.dp is not None:
+            dp = {"epsilon": replica.epsilon, "noise_multiplier": replica.dp.noise_multiplier,
+                  "sample_rate": replica.dp.sample_rate, "dp_steps": replica.dp_steps,
+                  "planned_epsilon": replica.dp.planned_epsilon}
+        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views, dp)
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary

@@ -22,12 +22,16 @@ class Progress:
 
                 self.bar = tqdm(total=budget, desc=name, unit="unit", dynamic_ncols=True)
 
-    def update(self, t: int, communities: Optional[int], dispersion: float, acc: float, loss: float) -> None:
+    def update(self, t: int, communities: Optional[int], dispersion: float, acc: float, loss: float,
+               epsilon: Optional[float] = None) -> None:
+        """``epsilon`` (privacy.enabled): rank 0's own epsilon so far."""
         if not self.enabled:
             return
         c = communities if communities is not None else "-"
         disp = dispersion if math.isfinite(dispersion) else float("nan")
         info = f"communities={c} dispersion={disp:.3g} acc={acc:.3f} loss={loss:.3f}"
+        if epsilon is not None:
+            info += f" eps={epsilon:.3g}"
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(info, refresh=False)

@@ -13,17 +13,19 @@ import logging
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..core import merge, protocol, robust
+from ..core import merge, privacy, protocol, robust
 from ..errors import ConfigError
 from ..results import MetricRow
 from ..runtime.collective import on_every_rank
 from ..runtime.comm import World
 from ..workload import models, train, vectorized
+from ..workload.private import PrivateGradient, check_model, require_opacus
 from ..workload.vectorized import StackedTrainer
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
@@ -62,10 +64,13 @@ class Replica:
     outlier: bool  # robust.enabled: the latest round left this rank out
     outer: Optional[merge.OuterOptimizer]  # merge.outer or diloco (``enable_outer``)
     anchor: Optional[torch.Tensor]  # diloco: the weights all ranks held after the last global step
+    private: Optional[PrivateGradient]  # privacy.enabled: DP-SGD's clipped, noised gradients
+    dp: Optional["DPPlan"]  # privacy.enabled: the sampling rate and noise this replica's accounting uses
+    dp_steps: int  # DP-SGD steps taken so far (the accountant's step count)
 
     def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
-                 tracker: Optional[ExampleTracker], vectorized: bool = False):
+                 tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional["DPPlan"] = None):
         self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
         self.rank, self.data, self.tracker, self.vectorized = world.rank, placed, tracker, vectorized
         self.model, self.flat, self.n_params = model, flat, n_params
@@ -74,6 +79,19 @@ class Replica:
         self.recent_loss = self.first_loss = self.test_acc = self.test_loss = float("nan")
         self.diverged = self.outlier = False
         self.outer, self.anchor = None, None
+        self.dp, self.dp_steps, self.private = dp, 0, None
+        if dp is not None:
+            pc = cfg.privacy
+            self.private = PrivateGradient(model, max_grad_norm=pc.max_grad_norm, noise_multiplier=dp.noise_multiplier,
+                                           noise=pc.noise, seed=cfg.seed, rank=self.rank,
+                                           poisson=pc.sampling == "poisson")
+
+    @property
+    def epsilon(self) -> float:
+        """This replica's epsilon so far at privacy.delta (Opacus's RDP accountant); nan without privacy."""
+        if self.dp is None:
+            return float("nan")
+        return privacy.epsilon(self.dp.noise_multiplier, self.dp.sample_rate, self.dp_steps, self.cfg.privacy.delta)
 
     @classmethod
     def build(cls, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults) -> "Replica":
@@ -86,9 +104,18 @@ class Replica:
         if cfg.model.init == "shared":
             world.bcast_(flat, root=0)
         vectorized = on_every_rank(world, lambda: _stacked(cfg, world, model, placed))
+        dp = on_every_rank(world, lambda: _dp_plan(cfg, model, placed))
+        if dp is not None and world.rank == 0:
+            pc = cfg.privacy
+            log.info(f"communities: privacy: DP-SGD with noise multiplier {dp.noise_multiplier:.4g}, clipping "
+                     f"{pc.max_grad_norm:g}, {pc.sampling} sampling at q={dp.sample_rate:.4g} (rank 0); "
+                     f"{dp.planned_steps} steps plan epsilon {dp.planned_epsilon:.3g} at delta {pc.delta:g}")
+            if pc.noise == "seeded":
+                log.warning("communities: privacy.noise=seeded: the noise is keyed by the config's seed, so anyone "
+                            "who knows the config can remove it; use privacy.noise=secret to protect data")
         torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
         return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,
-                   n_params=n_params, tracker=tracker, vectorized=vectorized)
+                   n_params=n_params, tracker=tracker, vectorized=vectorized, dp=dp)
 
     def adopt(self, ranks: List[int]) -> None:
         """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""
@@ -120,12 +147,14 @@ class Replica:
                     rows = self.tracker.training_rows(t)
                     x, y = self.tracker.view(rows)
                 res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
-                                       grad_sync=grad_sync, between_batches=self._batch_hook(t, between_batches))
+                                       grad_sync=grad_sync, between_batches=self._batch_hook(t, between_batches),
+                                       private=self.private)
                 if self.tracker is not None and rows is not None:
                     self.tracker.trained(rows)
             self.faults.during_unit(t)
         self.faults.after_unit(t, self.flat)
         self.samples += res.samples
+        self.dp_steps += res.steps if self.dp is not None else 0
         self.recent_loss = res.loss
         if t == 1 or not math.isfinite(self.first_loss):
             self.first_loss = res.loss
@@ -149,7 +178,7 @@ class Replica:
                     local_acc, local_loss = train.evaluate(self.model, self.data.x_local, self.data.y_local)
             self.test_acc, self.test_loss = test_acc, test_loss
         return MetricRow(t, res.loss, res.accuracy, test_acc, test_loss, self.samples, self.world.bytes_sent,
-                         self.timer.elapsed(), local_acc, local_loss)
+                         self.timer.elapsed(), local_acc, local_loss, self.epsilon)
 
     def _train_stacked(self, t: int, steps: Optional[int]) -> train.UnitResult:
         """Unit t trained together with the process's other replicas, as one stacked model (train.vectorize).
@@ -277,7 +306,7 @@ class Replica:
             "anchor": self.anchor.detach().cpu().clone() if self.anchor is not None else None,
             "samples": self.samples, "recent_loss": self.recent_loss, "first_loss": self.first_loss,
             "test_acc": self.test_acc, "test_loss": self.test_loss, "diverged": self.diverged,
-            "outlier": self.outlier,
+            "outlier": self.outlier, "dp_steps": self.dp_steps,
             "examples": None if self.tracker is None else self.tracker.state_dict(),
         }
 
@@ -293,6 +322,7 @@ class Replica:
             self.anchor.copy_(state["anchor"].to(self.anchor.device))
         for key in ("samples", "recent_loss", "first_loss", "test_acc", "test_loss", "diverged", "outlier"):
             setattr(self, key, state[key])
+        self.dp_steps = int(state.get("dp_steps", 0))  # (checkpoints from before privacy existed)
         if self.tracker is not None:
             if state["examples"] is None:
                 raise ValueError("it has no example table, but examples.track is on")
@@ -308,6 +338,7 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
     inside = [key for key, on in (("examples.track", cfg.examples.track), ("strategy=allreduce",
                                                                           cfg.strategy == "allreduce"),
                                   ("protocol=async", cfg.protocol == "async"),
+                                  ("privacy.enabled", cfg.privacy.enabled),
                                   ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0))
               if on]
     if inside:
@@ -318,6 +349,30 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
     per = world.size // world.processes
     return world.shared(("vectorize",), lambda: vectorized.resolve_vectorize(
         mode, model, per, sample=(placed.x[:4], placed.y[:4]), name=cfg.model.name))
+
+
+@dataclass(frozen=True)
+class DPPlan:
+    """One replica's DP-SGD accounting inputs: what privacy.epsilon needs besides its step count."""
+
+    sample_rate: float  # q = batch_size / shard size
+    noise_multiplier: float  # sigma (privacy.noise_multiplier, or derived from privacy.epsilon)
+    planned_steps: int  # steps of train.budget units
+    planned_epsilon: float  # epsilon after the planned steps
+
+
+def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Optional[DPPlan]:
+    """privacy.enabled: this replica's sampling rate and noise (a ConfigError for what DP-SGD cannot train)."""
+    pc = cfg.privacy
+    if not pc.enabled:
+        return None
+    require_opacus()
+    check_model(model, cfg.model.name, placed.x, placed.y)
+    n = len(placed.y)
+    q = min(1.0, cfg.train.batch_size / max(n, 1))
+    steps = train.steps_per_unit(cfg.train, n, cfg.privacy.sampling == "poisson") * cfg.train.budget
+    sigma, eps = privacy.plan(pc, q, steps)
+    return DPPlan(q, sigma, steps, eps)
 
 
 def _build_model(cfg: "Config", world: World, device: torch.device, placed: ReplicaData

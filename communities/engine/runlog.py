@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
                 "bytes_in_process") + TIME_CATEGORIES
+DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_epsilon")  # privacy.enabled
 
 
 class RunLog:
@@ -130,7 +131,8 @@ class RunLog:
         if self.writer is None or metrics is None or merges is None:  # not rank 0
             return
         local = self.cfg.data.local_test_fraction > 0
-        rows = [MetricRow.from_row(m).to_json(r, local) for r, block in enumerate(metrics) for m in block]
+        private = self.cfg.privacy.enabled
+        rows = [MetricRow.from_row(m).to_json(r, local, private) for r, block in enumerate(metrics) for m in block]
         rows.sort(key=lambda d: (d["t"], d["rank"]))
         self.writer.append_jsonl("metrics.jsonl", rows)
         if self.board is not None:
@@ -175,18 +177,21 @@ class RunLog:
         self.writer.write_json("models/communities.json", record)
 
     def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
-               tracker: Optional[ExampleTracker], views: Optional[List[list]] = None) -> Optional[Summary]:
+               tracker: Optional[ExampleTracker], views: Optional[List[list]] = None,
+               dp: Optional[dict] = None) -> Optional[Summary]:
         """Gather every rank's final figures; rank 0 writes ``consensus.pt`` and ``summary.json`` and returns it.
 
         ``run`` holds the figures every rank shares (name, units, rounds, the
         consensus model's accuracy, ...); ``test_acc`` and ``distance`` (to the
-        consensus, relative) are this rank's own; ``views`` (async) its community views.
+        consensus, relative) are this rank's own; ``views`` (async) its community views;
+        ``dp`` (privacy.enabled) its ``DP_FIELDS``.
         """
         w = self.world
         mine = {"test_acc": test_acc, "distance": distance, "bytes_sent": w.bytes_sent, "wall": self.timer.elapsed(),
                 "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data, "units": run["units"],
                 "bytes_in_process": w.bytes_in_process, **self.timer.split()}
-        row = np.array([[mine[f] for f in FINAL_FIELDS]], dtype=np.float64)
+        mine.update({f: (dp or {}).get(f, float("nan")) for f in DP_FIELDS})
+        row = np.array([[mine[f] for f in FINAL_FIELDS + DP_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
         hard = tracker.globally_hard() if tracker is not None else np.zeros((0, 2))
         ex_rows = w.gather_rows(ex)
@@ -197,7 +202,7 @@ class RunLog:
             view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + w.size))
         if self.writer is None or gathered is None:  # not rank 0
             return None
-        g = dict(zip(FINAL_FIELDS, np.concatenate(gathered).T))  # one column per field, one entry per rank
+        g = dict(zip(FINAL_FIELDS + DP_FIELDS, np.concatenate(gathered).T))  # one column per field, one entry per rank
         accs = g["test_acc"]
         buf = io.BytesIO()
         torch.save(consensus_state, buf)
@@ -216,11 +221,29 @@ class RunLog:
             examples=self._examples_summary(ex_rows, hard_rows) if tracker is not None else None,
             protocol=self.cfg.protocol,
             view_agreement=self._views(view_rows) if view_rows is not None else None,
-            placement=placement_summary(w.processes, w.size, g))
+            placement=placement_summary(w.processes, w.size, g),
+            privacy=self._privacy_summary(g) if dp is not None else None)
         self.writer.write_json("summary.json", summary.to_dict())
         if self.board is not None:
             self.board.finish(summary)
         return summary
+
+    def _privacy_summary(self, g: Dict[str, np.ndarray]) -> dict:
+        """summary.json's ``privacy``: every replica's epsilon (the worst first) and what it was computed from."""
+        pc = self.cfg.privacy
+
+        def each(key: str) -> list:
+            return [finite_or_none(float(v)) for v in g[key]]
+
+        eps = g["epsilon"]
+        return {"epsilon_max": finite_or_none(float(np.nanmax(eps))) if np.isfinite(eps).all() else None,
+                "delta": pc.delta, "accountant": pc.accountant, "sampling": pc.sampling, "noise": pc.noise,
+                "max_grad_norm": pc.max_grad_norm, "target_epsilon": pc.epsilon,
+                "epsilon_per_rank": each("epsilon"), "planned_epsilon_per_rank": each("planned_epsilon"),
+                "noise_multiplier_per_rank": each("noise_multiplier"), "sample_rate_per_rank": each("sample_rate"),
+                "steps_per_rank": [int(v) for v in g["dp_steps"]],
+                "protects": "each replica's training shard, against everyone who sees its weights or anything "
+                            "computed from them (partners, signature rounds, the consensus)"}
 
     def _examples_summary(self, ex_rows, hard_rows) -> dict:
         """Rank 0: totals over ranks of the example tables, and the globally hard ids (globally_hard.json)."""

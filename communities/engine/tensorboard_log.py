@@ -82,6 +82,9 @@ class TensorBoardLog:
                 self._scalar("loss/rank_test_mean", np.mean(test_losses), t)
             self._scalar("bytes/sent_per_rank_mean_mb", np.mean([r["bytes_sent"] for r in group]) / 1e6, t)
             self._scalar("time/elapsed_s", max(r["wall"] for r in group), t)
+            eps = [r["epsilon"] for r in group if _finite(r.get("epsilon"))]
+            if eps:
+                self._scalar("privacy/epsilon_max", max(eps), t)
             if self.cfg.logging.per_rank:
                 for r in group:
                     prefix = f"rank_{r['rank']:03d}"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from . import data, models, plugins
+from . import data, models, plugins, train
 
 SAMPLE = 4  # test examples in the forward pass
 
@@ -37,6 +37,7 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
     lines = [f"data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test examples of shape "
              f"{ds.input_shape}, {ds.n_classes} classes"
              + (f" (rank 0's shard of {n}: a sharded reader)" if ds.sharded else "")]
+    sizes: Optional[List[int]] = None
     if not ds.sharded and world_size is not None:
         prepared = data.arrange(ds, cfg.data, cfg.seed, world_size)  # as the ranks will: shift, local tests
         groups = data.declared_groups(ds, prepared.shards)
@@ -58,4 +59,28 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
     flat, n_params = models.flatten_(model)
     lines.append(f"model: {cfg.model.name}: {n_params} parameters ({flat.numel()} values merged); a forward pass of "
                  f"{len(sample)} test examples gave ({len(sample)}, {ds.n_classes}) logits")
+    if cfg.privacy.enabled:
+        lines.append(_privacy_line(cfg, model, ds, sizes))
     return lines
+
+
+def _privacy_line(cfg, model, ds, sizes: Optional[List[int]]) -> str:
+    """What DP-SGD will do: the noise and epsilon planned for the smallest and largest shard."""
+    from ..core import privacy
+    from .private import check_model, require_opacus
+
+    require_opacus()
+    x = torch.as_tensor(np.ascontiguousarray(ds.x_train[:2]))
+    check_model(model, cfg.model.name, x, torch.as_tensor(ds.y_train[:2], dtype=torch.int64))
+    if not sizes:
+        return "privacy: DP-SGD checked on the model (pass --world-size N for the noise each shard gets)"
+    pc, tc = cfg.privacy, cfg.train
+    parts = []
+    for n in sorted({min(sizes), max(sizes)}):
+        per_unit = train.steps_per_unit(tc, n, pc.sampling == "poisson")
+        q = min(1.0, tc.batch_size / n)
+        sigma, eps = privacy.plan(pc, q, per_unit * tc.budget)
+        parts.append(f"shard {n}: q={q:.4g}, noise multiplier {sigma:.4g}, epsilon {eps:.3g} after "
+                     f"{per_unit * tc.budget} steps")
+    return f"privacy: DP-SGD at delta {pc.delta:g}, clipping {pc.max_grad_norm:g}, {pc.sampling} sampling; " + \
+        "; ".join(parts)
