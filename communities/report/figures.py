@@ -612,6 +612,7 @@ class RunFigures:
     merge_matrix: List[str]
     dendrograms: List[Tuple[int, List[str]]] = field(default_factory=list)  # (round, names)
     views: Optional[List[str]] = None  # protocol async: how far each rank's views agreed with rank 0's
+    privacy: Optional[List[str]] = None  # privacy.enabled: each replica's epsilon over t
 
 
 def _views_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
@@ -629,12 +630,40 @@ def _views_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
     return _save(fig, out, stem, svg)
 
 
+def _privacy_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
+    """privacy.enabled: each replica's epsilon (at privacy.delta) after every unit, and the worst one."""
+    fig = _figure(7, 3.2, constrained=True)
+    ax = fig.add_subplot()
+    t = view.metric_t.astype(float)
+    eps = view.epsilon
+    if view.n > LARGE_WORLD:
+        _bands(ax, t, eps, "C0")
+    else:
+        _lines(ax, t, eps, "C0", alpha=0.5, lw=0.8)
+        ax.plot([], [], color="C0", alpha=0.5, lw=0.8, label=f"each replica ({view.n})")
+    worst = np.nanmax(np.where(np.isfinite(eps), eps, -np.inf), axis=0)
+    ok = np.isfinite(worst)
+    ax.plot(t[ok], worst[ok], color="C3", lw=1.5, label="worst replica")
+    dp = view.run.record.privacy if view.run.record is not None else None
+    if dp and dp.get("target_epsilon") is not None:
+        ax.axhline(dp["target_epsilon"], color="0.4", ls="--", lw=0.8, label="target")
+    delta = f" at delta {dp['delta']}" if dp else ""
+    ax.set_xlabel("virtual time t")
+    ax.set_ylabel("epsilon" + delta)
+    ax.set_title("Privacy spent by each replica (Opacus RDP accountant)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, out, stem, svg)
+
+
 def draw_run(view: RunView, out: Path, prefix: str, picked: Sequence[int], svg: bool) -> RunFigures:
     """One run's timeline (when it has rounds), merge matrix and the dendrograms of the ``picked`` rounds."""
     timeline = _timeline_figure(view, out, f"{prefix}timeline", svg) if view.infos else None
     figs = RunFigures(timeline, _merge_matrix_figure(view, out, f"{prefix}merge_matrix", svg))
     if view.view_agreement:
         figs.views = _views_figure(view, out, f"{prefix}view_agreement", svg)
+    if view.epsilon.size and np.isfinite(view.epsilon).any():
+        figs.privacy = _privacy_figure(view, out, f"{prefix}privacy", svg)
     pos = {int(r): k for k, r in enumerate(view.round_idx)}
     canvas = _DendrogramCanvas()
     try:

@@ -99,6 +99,10 @@ def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: s
                      "below are rank 0's view; this is how far every other rank's view agreed with rank 0's at "
                      "the same wall time (adjusted Rand index, from views.jsonl).</p>")
         parts.append(_img(figs.views, "agreement of the views"))
+    if figs.privacy is not None:
+        parts.append("<h3>Privacy</h3><p>Each replica's epsilon after every unit (<code>privacy.enabled</code>, "
+                     "from metrics.jsonl): how much of its shard's privacy the run has spent.</p>")
+        parts.append(_img(figs.privacy, "privacy spent"))
     parts.append(f"<h3>Dendrograms</h3><p>{_e(note)}.</p>")
     if large and figs.dendrograms:
         parts.append(f"<p>{view.n} ranks: each tree is truncated to the communities of its round (one leaf per "

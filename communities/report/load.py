@@ -264,6 +264,7 @@ class RunView:
     metric_t: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
     test_acc: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T, NaN where no eval
     bytes_sent: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T, cumulative
+    epsilon: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T (privacy.enabled), else empty
     consensus_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
     consensus_acc: np.ndarray = field(default_factory=lambda: np.zeros(0))
     merge_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -446,6 +447,9 @@ def _read_metrics(view: RunView) -> None:
             view.bytes_sent = np.full((n, view.metric_t.size), np.nan)
             view.test_acc[rank, col] = acc
             view.bytes_sent[rank, col] = byt
+            if "epsilon" in rows[0]:
+                view.epsilon = np.full((n, view.metric_t.size), np.nan)
+                view.epsilon[rank, col] = [_num(r.get("epsilon")) for r in rows]
 
 
 def _read_consensus(view: RunView) -> None:
@@ -624,9 +628,20 @@ def summary_text(view: RunView) -> str:
         lt = s.local_test
         lines.append(f"local test accuracy: delivered ({lt.get('delivered')}) mean {fmt(lt.get('mean_acc'))}; "
                      f"own models {fmt(lt.get('mean_own_acc'))}, consensus {fmt(lt.get('mean_consensus_acc'))}")
+    if s is not None and s.privacy:
+        lines.append(privacy_text(s.privacy))
     if s is not None and s.time_split:
         lines.append(f"wall time {fmt(s.wall_time)} s: " + wall_split_text(s.time_split))
     return "\n".join(lines)
+
+
+def privacy_text(dp: dict) -> str:
+    """summary.json's privacy in one line: the worst replica's epsilon and what it assumed."""
+    sigmas = [x for x in dp.get("noise_multiplier_per_rank", []) if x is not None]
+    target = f" (target {fmt(dp.get('target_epsilon'))})" if dp.get("target_epsilon") is not None else ""
+    return (f"privacy: epsilon {fmt(dp.get('epsilon_max'))} at delta {dp.get('delta')}{target}, worst replica; "
+            f"noise multiplier {fmt(min(sigmas)) if sigmas else '?'}, clipping {dp.get('max_grad_norm')}, "
+            f"{dp.get('sampling')} sampling, {dp.get('noise')} noise")
 
 
 def mode_text(mode: dict) -> str:
