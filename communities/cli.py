@@ -1,4 +1,4 @@
-"""Command line: ``communities run | validate | inspect | compare | bench | slurm | export`` (and ``--version``).
+"""Command line: ``communities run | validate | inspect | compare | bench | slurm | export | dp-reference``.
 
 ``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
 process. Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by
@@ -33,6 +33,7 @@ DELEGATED = {
     "bench": (".tools.bench", "main_bench"),
     "slurm": (".tools.slurm", "main_slurm"),
     "export": (".tools.export", "main_export"),
+    "dp-reference": (".tools.dp_reference", "main_dp_reference"),
 }
 
 
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("slurm", help="write (and --submit) an sbatch script for a config", add_help=False)
     sub.add_parser("export", help="one model per community of a saved round: export RUN --round R --k K",
                    add_help=False)
+    sub.add_parser("dp-reference", help="single-process Opacus DP-SGD on the pooled data, the privacy reference: "
+                                        "dp-reference CONFIG --epsilon 1 3 8 inf", add_help=False)
     return parser
 
 
