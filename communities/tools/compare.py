@@ -543,7 +543,7 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
                          monitoring_bytes_mean=s.monitoring_bytes_mean, idle_share=idle_share(p.path, s),
                          retired_fraction=(s.examples or {}).get("retired_fraction"),
                          first_round_ari=s.first_round_ari, local_test_acc=(s.local_test or {}).get("mean_acc"),
-                         delivered=delivered(s))
+                         delivered=delivered(s), epsilon=(s.privacy or {}).get("epsilon_max"))
             curves.setdefault(p.arm.label, []).append({"seed": p.seed, **c})
         runs.append(entry)
     for arm in spec.arms:
@@ -565,6 +565,7 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             "local_test_acc": _stats([r["local_test_acc"] for r in mine if r["local_test_acc"] is not None]),
             "first_round_ari": _stats([r["first_round_ari"] for r in mine if r["first_round_ari"] is not None]),
             "delivered": sorted({r["delivered"] for r in mine}),
+            "epsilon": _stats([r["epsilon"] for r in mine if r.get("epsilon") is not None]),
             "target": {"accuracy": spec.target_accuracy, "reached": len(hits), "of": len(mine),
                        "t": _stats([h["t"] for h in hits]), "bytes": _stats([h["bytes"] for h in hits]),
                        "wall": _stats([h["wall"] for h in hits]),
@@ -591,6 +592,7 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
     target = agg["target_accuracy"]
     moving = any(r.get("data_bytes_mean") or r.get("retired_fraction") is not None for r in agg["runs"])
     personal = any(r.get("local_test_acc") is not None for r in agg["runs"])
+    private = any(r.get("epsilon") is not None for r in agg["runs"])
     lines = [f"# Comparison `{agg['name']}`", ""]
     if spec.description:
         lines += [spec.description.strip(), ""]
@@ -628,8 +630,8 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
     lines += [
         "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s | idle % "
         f"| reached {target:g} | t to target (units) | MB to target | wall s to target |"
-        + (" data MB / rank | retired % |" if moving else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moving else ""),
+        + (" data MB / rank | retired % |" if moving else "") + (" epsilon |" if private else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moving else "") + ("---|" if private else ""),
     ]
     for label, a in agg["strategies"].items():
         tg = a["target"]
@@ -640,7 +642,8 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
             f"| {_pm(tg['bytes'], '{:.2f}', 1e-6)} "
             f"| {_pm(tg['wall'], '{:.1f}')}{'' if tg['wall_measured'] == tg['reached'] else ' (est.)'} |"
             + (f" {_pm(a['data_bytes_per_rank'], '{:.3f}', 1e-6)} | {_pm(a['retired_fraction'], '{:.1f}', 100)} |"
-               if moving else ""))
+               if moving else "")
+            + (f" {_pm(a['epsilon'], '{:.2f}') if a['epsilon']['mean'] is not None else 'inf'} |" if private else ""))
     lines += [
         "",
         "Figures are mean ± sample standard deviation (ddof=1) over the seeds that completed; one seed shows no ±.",
@@ -651,6 +654,8 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "counts them: exchanges and their metadata, signature allgathers, Allreduces (as ring traffic). The "
         "Allreduces that only evaluate the consensus model (summary `monitoring_bytes_mean`) and passed training "
         "examples (*data MB / rank*, summary `data_bytes_mean`) are counted apart.",
+        "- *epsilon*: with `privacy.enabled`, the worst replica's epsilon at the end (summary `privacy`, at "
+        "`privacy.delta`); `inf`: trained without privacy.",
         "- *retired %*: share of the training examples retired at the end (summary `examples`), where tracked.",
         "- *wall s*: the slowest rank's training loop (summary.json `wall_time`), without process start-up.",
         "- *idle %*: the share of its wall time a rank spent waiting for others (summary `time_split_per_rank`: "
