@@ -479,6 +479,10 @@ class PrivacyConfig(_Section):
         "reproducible and resumable, but anyone who knows the config's seed can subtract the noise: for "
         "experiments, not for protecting data")
     accountant: Literal["rdp"] = Field("rdp", description="Opacus's Renyi-DP accountant")
+    per_example: Literal["auto", "vmap", "hooks"] = Field(
+        "auto", description="how the per-example gradient norms are computed: vmap (torch.func), hooks (Opacus's "
+        "GradSampleModule), auto: hooks when every layer with parameters is a Linear, else vmap (the faster of "
+        "the two for such models: communities bench privacy); the gradient applied is the same either way")
 
     @model_validator(mode="after")
     def _one_noise(self):

@@ -84,7 +84,7 @@ class Replica:
             pc = cfg.privacy
             self.private = PrivateGradient(model, max_grad_norm=pc.max_grad_norm, noise_multiplier=dp.noise_multiplier,
                                            noise=pc.noise, seed=cfg.seed, rank=self.rank,
-                                           poisson=pc.sampling == "poisson")
+                                           poisson=pc.sampling == "poisson", per_example=pc.per_example)
 
     @property
     def epsilon(self) -> float:
@@ -367,7 +367,7 @@ def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Opti
     if not pc.enabled:
         return None
     require_opacus()
-    check_model(model, cfg.model.name, placed.x, placed.y)
+    check_model(model, cfg.model.name, placed.x, placed.y, cfg.privacy.per_example)
     n = len(placed.y)
     q = min(1.0, cfg.train.batch_size / max(n, 1))
     steps = train.steps_per_unit(cfg.train, n, cfg.privacy.sampling == "poisson") * cfg.train.budget

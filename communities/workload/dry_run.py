@@ -71,7 +71,7 @@ def _privacy_line(cfg, model, ds, sizes: Optional[List[int]]) -> str:
 
     require_opacus()
     x = torch.as_tensor(np.ascontiguousarray(ds.x_train[:2]))
-    check_model(model, cfg.model.name, x, torch.as_tensor(ds.y_train[:2], dtype=torch.int64))
+    check_model(model, cfg.model.name, x, torch.as_tensor(ds.y_train[:2], dtype=torch.int64), cfg.privacy.per_example)
     if not sizes:
         return "privacy: DP-SGD checked on the model (pass --world-size N for the noise each shard gets)"
     pc, tc = cfg.privacy, cfg.train

@@ -2,8 +2,11 @@
 
 Two passes per step, both exact:
 
-1. per-example gradient norms with ``torch.func`` (``vmap(grad(...))`` over the
-   batch, on the replica's current weights);
+1. per-example gradient norms, on the replica's current weights: with
+   ``torch.func`` (``vmap(grad(...))`` over the batch), or with Opacus's
+   per-sample gradient hooks (``GradSampleModule``), whichever is faster for the
+   model (``privacy.per_example``; ``communities bench privacy``: the hooks for
+   a stack of Linear layers, vmap for convolutions);
 2. one ordinary backward of ``sum_i c_i * loss_i / b`` with the clipping factors
    ``c_i = min(1, C / ||g_i||)`` held fixed, which is ``sum_i c_i g_i / b``.
 
@@ -21,6 +24,7 @@ example's gradient must depend on that example only.
 from __future__ import annotations
 
 import secrets
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -56,16 +60,27 @@ def refuse_model(model: nn.Module, name: str) -> None:
                               "clipping pass would bound other gradients than the ones applied (model.dropout: 0)")
 
 
-def check_model(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+def per_example_method(model: nn.Module) -> str:
+    """privacy.per_example=auto: Opacus's hooks where every layer with parameters is a Linear (their einsum
+    beats vmap's fixed cost), vmap otherwise (convolutions: ``communities bench privacy``)."""
+    owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    return "hooks" if owners and all(isinstance(m, nn.Linear) for m in owners) else "vmap"
+
+
+def check_model(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor, per_example: str = "vmap") -> None:
     """refuse_model, then per-example gradients of two examples: a model torch.func cannot take fails here,
     naming privacy.enabled, before any training."""
     refuse_model(model, name)
-    probe = PrivateGradient(model, max_grad_norm=1.0, noise_multiplier=0.0, noise="seeded", seed=0, rank=0)
     try:
+        probe = PrivateGradient(model, max_grad_norm=1.0, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                                per_example=per_example)
         norms = probe.norms(x[:2], y[:2])
+        probe.close()
+        model.zero_grad(set_to_none=True)
     except Exception as exc:  # the user's forward() under vmap: one line naming the model
+        how = "torch.func (vmap of grad)" if per_example != "hooks" else "Opacus's hooks"
         raise ConfigError(f"privacy.enabled=true needs per-example gradients of model.name={name!r} through "
-                          f"torch.func (vmap of grad), which raised {type(exc).__name__}: {exc}") from None
+                          f"{how} (privacy.per_example), which raised {type(exc).__name__}: {exc}") from None
     if not bool(torch.isfinite(norms).all()):
         raise ConfigError(f"privacy.enabled=true: model.name={name!r} gives non-finite per-example gradients at "
                           "its initial weights")
@@ -75,7 +90,7 @@ class PrivateGradient:
     """Clipped, noised gradients of one replica's model (``privacy.enabled``); see the module docstring."""
 
     def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float, noise: str, seed: int,
-                 rank: int, poisson: bool = True):
+                 rank: int, poisson: bool = True, per_example: str = "vmap"):
         self.model, self.poisson = model, bool(poisson)
         self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
         self.noise, self.seed, self.rank = noise, int(seed), int(rank)
@@ -85,6 +100,16 @@ class PrivateGradient:
         # secret: seeded from the OS's entropy, never written or sent (a partner who knew the noise could remove it)
         self._secret = torch.Generator().manual_seed(secrets.randbits(62)) if noise == "secret" else None
         self._per_example = vmap(grad(self._loss_of_one), in_dims=(None, None, 0, 0))
+        self.per_example = per_example if per_example != "auto" else per_example_method(model)
+        self._hooked = None
+        if self.per_example == "hooks":
+            from opacus import GradSampleModule
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._hooked = GradSampleModule(model, loss_reduction="sum")
+            # hooks only inside ``norms``: registered, even disabled, they would slow every other pass
+            self._hooked.remove_hooks()
 
     def _loss_of_one(self, params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor], x: torch.Tensor,
                      y: torch.Tensor) -> torch.Tensor:
@@ -93,12 +118,39 @@ class PrivateGradient:
 
     def norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         """Each example's gradient norm at the current weights (pass 1)."""
+        if self._hooked is not None:
+            return self._hook_norms(xb, yb)
         params = {n: p.detach() for n, p in zip(self.names, self.params)}
         buffers = {n: b.detach() for n, b in self.model.named_buffers()}
         per = self._per_example(params, buffers, xb, yb)
         sq = torch.zeros(len(yb), dtype=torch.float64, device=yb.device)
         for g in per.values():
-            sq += g.reshape(len(yb), -1).double().pow(2).sum(1)
+            sq += torch.linalg.vector_norm(g.reshape(len(yb), -1), dim=1).double().square()
+        return sq.sqrt()
+
+    def close(self) -> None:
+        """Remove Opacus's hooks from the model (the start-up check's probe)."""
+        if self._hooked is not None:
+            self._hooked.del_grad_sample()
+            self._hooked = None
+
+    def _hook_norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """Per-example norms from Opacus's grad samples (a backward of the summed loss with its hooks on);
+        the parameters' ``.grad`` it leaves behind is cleared by the caller's ``zero_grad``."""
+        hooked = self._hooked
+        assert hooked is not None
+        hooked.add_hooks(loss_reduction="sum")
+        hooked.enable_hooks()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "full backward hook is firing ... no inputs require gradients"
+                F.cross_entropy(self.model(xb), yb, reduction="sum").backward()
+            sq = torch.zeros(len(yb), dtype=torch.float64, device=yb.device)
+            for p in self.params:
+                sq += torch.linalg.vector_norm(p.grad_sample.reshape(len(yb), -1), dim=1).double().square()
+        finally:
+            hooked.remove_hooks()
+            hooked.set_grad_sample_to_none()
         return sq.sqrt()
 
     def generator(self, t: int) -> torch.Generator:
@@ -116,9 +168,10 @@ class PrivateGradient:
         Poisson batch (whose gradient is the noise alone).
         """
         out = loss = None
-        opt.zero_grad(set_to_none=set_to_none)
         if len(yb):
             factors = privacy.clip_factors(self.norms(xb, yb), self.max_grad_norm).to(torch.float32)
+        opt.zero_grad(set_to_none=set_to_none)
+        if len(yb):
             out = self.model(xb)
             per = F.cross_entropy(out, yb, reduction="none")
             ((per * factors.to(per.dtype)).sum() / denom).backward()

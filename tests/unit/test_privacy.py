@@ -17,7 +17,7 @@ from communities import config as config_mod
 from communities.core import privacy
 from communities.errors import ConfigError
 from communities.workload import train
-from communities.workload.private import PrivateGradient, refuse_model
+from communities.workload.private import PrivateGradient, per_example_method, refuse_model
 
 opacus = pytest.importorskip("opacus")
 
@@ -46,14 +46,16 @@ def _grad(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.parametrize("per_example", ["vmap", "hooks"])
 @pytest.mark.parametrize("max_norm", [0.05, 0.5, 1e6])
-def test_clipping_bounds_every_example_and_the_step_is_their_clipped_mean(max_norm):
+def test_clipping_bounds_every_example_and_the_step_is_their_clipped_mean(max_norm, per_example):
     model = _model()
     x, y = _batch(24)
     g = _per_example_grads(model, x, y)
     norms = g.double().norm(dim=1)
-    dp = PrivateGradient(model, max_grad_norm=max_norm, noise_multiplier=0.0, noise="seeded", seed=0, rank=0)
-    assert torch.allclose(dp.norms(x, y), norms, rtol=1e-5)  # vmap's per-example norms are the exact ones
+    dp = PrivateGradient(model, max_grad_norm=max_norm, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                         per_example=per_example)
+    assert torch.allclose(dp.norms(x, y), norms, rtol=1e-5)  # the per-example norms are the exact ones
     factors = privacy.clip_factors(norms, max_norm)
     clipped = g.double() * factors[:, None]
     assert bool((clipped.norm(dim=1) <= max_norm * (1 + 1e-9)).all())
@@ -106,7 +108,8 @@ def test_epsilon_edges_and_derived_noise_meets_its_target():
     assert privacy.epsilon(sigma * 0.9, 0.02, 2000, 1e-5) > 3.0  # less noise would overspend
 
 
-def test_noiseless_unclipped_dp_sgd_is_the_plain_step_bit_for_bit():
+@pytest.mark.parametrize("per_example", ["vmap", "hooks"])
+def test_noiseless_unclipped_dp_sgd_is_the_plain_step_bit_for_bit(per_example):
     x, y = _batch(100, seed=4)
 
     class Cfg:
@@ -117,7 +120,7 @@ def test_noiseless_unclipped_dp_sgd_is_the_plain_step_bit_for_bit():
         model = _model(seed=9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         dp = PrivateGradient(model, max_grad_norm=1e9, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
-                             poisson=False) if private else None
+                             poisson=False, per_example=per_example) if private else None
         res = [train.train_unit(model, opt, x, y, Cfg, seed=0, rank=1, t=t, private=dp) for t in (1, 2, 3)]
         results.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]), res))
     (wa, ra), (wb, rb) = results
@@ -165,6 +168,12 @@ def test_noise_settings_are_checked():
     with pytest.raises(ConfigError, match="privacy.delta"):
         _cfg("privacy.enabled=true", "privacy.epsilon=8", "privacy.delta=1.5")
     assert _cfg("privacy.enabled=true", "privacy.noise_multiplier=0").privacy.noise_multiplier == 0
+
+
+def test_auto_picks_hooks_for_linear_stacks_and_vmap_for_convolutions():
+    assert per_example_method(_model()) == "hooks"
+    conv = nn.Sequential(nn.Conv1d(1, 4, 3), nn.Flatten(), nn.Linear(24, 3))
+    assert per_example_method(conv) == "vmap"
 
 
 @pytest.mark.parametrize("layer", [nn.BatchNorm1d(4), nn.Dropout(0.2), nn.LayerNorm(4)])
