@@ -479,6 +479,9 @@ class PrivacyConfig(_Section):
         "reproducible and resumable, but anyone who knows the config's seed can subtract the noise: for "
         "experiments, not for protecting data")
     accountant: Literal["rdp"] = Field("rdp", description="Opacus's Renyi-DP accountant")
+    report_train_loss: bool = Field(
+        False, description="write each replica's training loss and accuracy on its shard to metrics.jsonl; they "
+        "are not noised, and rank 0 gathers them (off: null there, and no partner is told a loss)")
     per_example: Literal["auto", "vmap", "hooks"] = Field(
         "auto", description="how the per-example gradient norms are computed: vmap (torch.func), hooks (Opacus's "
         "GradSampleModule), auto: hooks when every layer with parameters is a Linear, else vmap (the faster of "
@@ -583,6 +586,8 @@ class Config(_Section):
                    "rank's shard, sent as the model's outputs on them without noise)")
         elif self.strategy == "ifca":
             why = "strategy='ifca' (each rank picks its model by the loss on its shard, without noise)"
+        elif self.merge.rule == "loss":
+            why = "merge.rule='loss' (partners would be told each other's training loss, without noise)"
         elif self.comm.fault_tolerance == "shrink" and self.comm.lost_shard == "adopt":
             why = ("comm.lost_shard='adopt' (survivors would train on a lost rank's shard outside that shard's "
                    "accounting)")

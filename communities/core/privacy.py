@@ -84,8 +84,15 @@ def noise_for_epsilon(target_epsilon: float, delta: float, sample_rate: float, s
     Opacus's ``get_noise_multiplier`` with the RDP accountant."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
-                                      steps=int(steps), accountant="rdp", epsilon_tolerance=0.01))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
+                                              sample_rate=sample_rate, steps=int(steps), accountant="rdp",
+                                              epsilon_tolerance=0.01))
+        except ValueError as exc:  # "The privacy budget is too low."
+            raise ValueError(f"no noise keeps {steps} steps at sampling rate {sample_rate:.4g} within epsilon "
+                             f"{target_epsilon:g} at delta {delta:g} (Opacus: {exc})") from None
 
 
 def plan(cfg, sample_rate: float, steps: int) -> Tuple[float, float]:

@@ -30,6 +30,7 @@ class Purpose(IntEnum):
     EX_EVAL = 8  # examples: the reserve sample evaluated
     EX_STEP = 9  # examples: retirement draws
     JITTER = 10  # faults.jitter: a batch's injected delay
+    DP_NOISE = 11  # privacy.noise=seeded: a unit's DP-SGD noise
 
 
 Exchange = Tuple[int, int]  # (initiator, partner)

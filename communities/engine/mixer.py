@@ -129,7 +129,7 @@ class Mixer:
         cfg, r = self.cfg, self.replica
         mc = cfg.merge
         moments = optimizer_moments(r.model, r.opt) if mc.optimizer_state == "average" and r.opt.state else []
-        mine = Header(r.samples, r.recent_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
+        mine = Header(r.samples, r.told_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
         sent0 = self.world.bytes_sent
         with self.timer("idle"):  # the partner may still be training: this is where we wait for it
             other = self.pair.swap_headers(mine, partner)

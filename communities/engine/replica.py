@@ -87,6 +87,11 @@ class Replica:
                                            poisson=pc.sampling == "poisson", per_example=pc.per_example)
 
     @property
+    def told_loss(self) -> float:
+        """The training loss partners are told (merge.rule loss); none under privacy, where it is not noised."""
+        return self.recent_loss if self.dp is None else float("nan")
+
+    @property
     def epsilon(self) -> float:
         """This replica's epsilon so far at privacy.delta (Opacus's RDP accountant); nan without privacy."""
         if self.dp is None:
@@ -158,8 +163,12 @@ class Replica:
         self.recent_loss = res.loss
         if t == 1 or not math.isfinite(self.first_loss):
             self.first_loss = res.loss
-        if not self.diverged and robust.is_diverged(float(self.flat.sum()), res.loss, self.first_loss,
-                                                    cfg.robust.loss_factor):
+        weight_sum = float(self.flat.sum())
+        if self.dp is None:
+            diverged = robust.is_diverged(weight_sum, res.loss, self.first_loss, cfg.robust.loss_factor)
+        else:  # the flag travels to partners, so under privacy it reads the weights only: the loss is not noised
+            diverged = not math.isfinite(weight_sum)
+        if not self.diverged and diverged:
             self.diverged = True
             log.warning(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be "
                         f"merged into partners ({cfg.robust.diverged})")
@@ -177,7 +186,10 @@ class Replica:
                 if self.has_local_test:
                     local_acc, local_loss = train.evaluate(self.model, self.data.x_local, self.data.y_local)
             self.test_acc, self.test_loss = test_acc, test_loss
-        return MetricRow(t, res.loss, res.accuracy, test_acc, test_loss, self.samples, self.world.bytes_sent,
+        loss, acc = res.loss, res.accuracy
+        if self.dp is not None and not cfg.privacy.report_train_loss:
+            loss = acc = float("nan")  # not noised: kept on this replica (privacy.report_train_loss)
+        return MetricRow(t, loss, acc, test_acc, test_loss, self.samples, self.world.bytes_sent,
                          self.timer.elapsed(), local_acc, local_loss, self.epsilon)
 
     def _train_stacked(self, t: int, steps: Optional[int]) -> train.UnitResult:
@@ -371,7 +383,10 @@ def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Opti
     n = len(placed.y)
     q = min(1.0, cfg.train.batch_size / max(n, 1))
     steps = train.steps_per_unit(cfg.train, n, cfg.privacy.sampling == "poisson") * cfg.train.budget
-    sigma, eps = privacy.plan(pc, q, steps)
+    try:
+        sigma, eps = privacy.plan(pc, q, steps)
+    except ValueError as exc:
+        raise ConfigError(f"privacy.epsilon={pc.epsilon}: {exc}; raise it, or lower train.budget") from None
     return DPPlan(q, sigma, steps, eps)
 
 

@@ -35,8 +35,6 @@ from torch.nn import functional as F
 from ..core import privacy, protocol
 from ..errors import ConfigError
 
-DP_NOISE = 11  # protocol.Purpose-style stream id of privacy.noise='seeded' (not in the enum: a private stream)
-
 
 def require_opacus() -> None:
     """A ConfigError that says how to install Opacus, when it is missing."""
@@ -157,7 +155,7 @@ class PrivateGradient:
         """The unit's noise stream: secret, or keyed by (seed, t, replica) under privacy.noise='seeded'."""
         if self._secret is not None:
             return self._secret
-        key = int(protocol.rng(self.seed, DP_NOISE, t, self.rank).integers(2**62))
+        key = int(protocol.rng(self.seed, protocol.Purpose.DP_NOISE, t, self.rank).integers(2**62))
         return torch.Generator().manual_seed(key)
 
     def backward(self, xb: torch.Tensor, yb: torch.Tensor, denom: float, opt: torch.optim.Optimizer,

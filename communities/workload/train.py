@@ -129,7 +129,10 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
         if between_batches is not None:
             between_batches(n_steps)
     seen_f = max(seen, 1)
-    return UnitResult(float(total_loss) / seen_f, float(correct) / seen_f, seen, n_steps)
+    # Poisson batches: count the expected examples, as the noisy sum is divided by them; the drawn count is a
+    # function of the shard that DP-SGD does not protect (what partners are told: merge.rule clock)
+    samples = n_steps * min(cfg.batch_size, len(y)) if poisson else seen
+    return UnitResult(float(total_loss) / seen_f, float(correct) / seen_f, samples, n_steps)
 
 
 @torch.no_grad()

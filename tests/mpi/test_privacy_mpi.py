@@ -57,7 +57,9 @@ def test_private_runs_account_reproduce_and_reduce_to_the_plain_run(tiny_config,
         assert len(eps) == 20 and eps == sorted(eps) and eps[0] > 0  # after every unit, never falling
         assert eps[-1] == dp["epsilon_per_rank"][r]  # each replica its own (shard sizes, so q, differ)
     assert dp["epsilon_max"] == max(dp["epsilon_per_rank"])
-    assert "epsilon" not in _rows(tmp_path / "plain")[0]
+    assert all(row["loss"] is None and row["train_acc"] is None for row in rows)  # not noised: not gathered
+    assert all(row["samples"] == row["t"] * 4 * 32 for row in rows)  # expected, not drawn, Poisson counts
+    assert "epsilon" not in _rows(tmp_path / "plain")[0] and _rows(tmp_path / "plain")[0]["loss"] is not None
     assert "privacy" not in json.loads((tmp_path / "plain" / "summary.json").read_text())
     ar = json.loads((tmp_path / "dp_allreduce" / "summary.json").read_text())
     assert ar["privacy"]["epsilon_max"] <= 4.0 and ar["consensus_test_acc"] > 0.3  # 4 classes: chance is 0.25

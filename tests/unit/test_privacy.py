@@ -148,6 +148,7 @@ def _cfg(*overrides: str):
     (["signature.kind=cka"], "signature.kind"),
     (["signature.kind=logits"], "signature.kind"),
     (["strategy=ifca"], "strategy='ifca'"),
+    (["merge.rule=loss"], "merge.rule='loss'"),
     (["model.batchnorm=true"], "model.batchnorm"),
     (["model.dropout=0.1", "model.name=mlp"], "model.dropout"),
     (["comm.fault_tolerance=shrink", "comm.lost_shard=adopt"], "comm.lost_shard"),
@@ -184,3 +185,8 @@ def test_user_models_with_batch_norm_or_dropout_are_refused(layer):
         return
     with pytest.raises(ConfigError, match="privacy.enabled=true cannot train model.name='pkg:net'"):
         refuse_model(model, "pkg:net")
+
+
+def test_an_unreachable_epsilon_says_so():
+    with pytest.raises(ValueError, match="no noise keeps 100000 steps at sampling rate 1 within epsilon 0.01"):
+        privacy.noise_for_epsilon(0.01, 1e-5, 1.0, 100000)
