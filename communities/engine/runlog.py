@@ -337,6 +337,12 @@ def print_summary(s: Summary, run_dir: Path) -> None:
         lt = s.local_test
         lines.append(f"local test accuracy      {lt['delivered']} {_acc(lt['mean_acc'])} (mean over ranks); own "
                      f"models {_acc(lt['mean_own_acc'])}, consensus {_acc(lt['mean_consensus_acc'])}")
+    if s.privacy:
+        dp = s.privacy
+        eps = dp["epsilon_max"]
+        lines.append(f"privacy                  epsilon {eps:.3g} (worst replica) at delta {dp['delta']:g}, "
+                     f"{dp['sampling']} sampling, clipping {dp['max_grad_norm']:g}" if eps is not None else
+                     "privacy                  epsilon inf (no noise): nothing is protected")
     lines += [f"wall time                {s.wall_time:.1f}s: {split}", f"results                  {run_dir}"]
     for line in lines:
         log.info(line)

@@ -61,6 +61,7 @@ def test_private_runs_account_reproduce_and_reduce_to_the_plain_run(tiny_config,
     assert all(row["samples"] == row["t"] * 4 * 32 for row in rows)  # expected, not drawn, Poisson counts
     assert "epsilon" not in _rows(tmp_path / "plain")[0] and _rows(tmp_path / "plain")[0]["loss"] is not None
     assert "privacy" not in json.loads((tmp_path / "plain" / "summary.json").read_text())
+    assert "(worst replica) at delta 1e-05, poisson sampling" in res["dp"].stdout + res["dp"].stderr  # the summary
     ar = json.loads((tmp_path / "dp_allreduce" / "summary.json").read_text())
     assert ar["privacy"]["epsilon_max"] <= 4.0 and ar["consensus_test_acc"] > 0.3  # 4 classes: chance is 0.25
 
