@@ -111,13 +111,7 @@ class Replica:
         vectorized = on_every_rank(world, lambda: _stacked(cfg, world, model, placed))
         dp = on_every_rank(world, lambda: _dp_plan(cfg, model, placed))
         if dp is not None and world.rank == 0:
-            pc = cfg.privacy
-            log.info(f"communities: privacy: DP-SGD with noise multiplier {dp.noise_multiplier:.4g}, clipping "
-                     f"{pc.max_grad_norm:g}, {pc.sampling} sampling at q={dp.sample_rate:.4g} (rank 0); "
-                     f"{dp.planned_steps} steps plan epsilon {dp.planned_epsilon:.3g} at delta {pc.delta:g}")
-            if pc.noise == "seeded":
-                log.warning("communities: privacy.noise=seeded: the noise is keyed by the config's seed, so anyone "
-                            "who knows the config can remove it; use privacy.noise=secret to protect data")
+            _announce(cfg, dp)
         torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
         return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,
                    n_params=n_params, tracker=tracker, vectorized=vectorized, dp=dp)
@@ -371,6 +365,17 @@ class DPPlan:
     noise_multiplier: float  # sigma (privacy.noise_multiplier, or derived from privacy.epsilon)
     planned_steps: int  # steps of train.budget units
     planned_epsilon: float  # epsilon after the planned steps
+
+
+def _announce(cfg: "Config", dp: DPPlan) -> None:
+    """Rank 0's start-up line on privacy: the noise, the sampling and the epsilon the budget plans."""
+    pc = cfg.privacy
+    log.info(f"communities: privacy: DP-SGD with noise multiplier {dp.noise_multiplier:.4g}, clipping "
+             f"{pc.max_grad_norm:g}, {pc.sampling} sampling at q={dp.sample_rate:.4g} (rank 0); "
+             f"{dp.planned_steps} steps plan epsilon {dp.planned_epsilon:.3g} at delta {pc.delta:g}")
+    if pc.noise == "seeded":
+        log.warning("communities: privacy.noise=seeded: the noise is keyed by the config's seed, so anyone "
+                    "who knows the config can remove it; use privacy.noise=secret to protect data")
 
 
 def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Optional[DPPlan]:
