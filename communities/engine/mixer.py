@@ -24,7 +24,7 @@ from ..core.protocol import RunningDigest
 from ..errors import StopReason
 from ..results import Event, MergeRow
 from ..runtime.comm import World
-from ..workload import models
+from ..workload import models, train
 from . import strategies
 from .example_tracker import distance_factor
 from .exchange import Header, PairExchange, Payload, Received, decide, optimizer_moments
@@ -215,8 +215,8 @@ class Mixer:
 
         self.grad_sync = average_gradients
         if self.cfg.train.unit == "epoch":  # each step is a collective: every rank must take as many
-            longest = max(s.indices.size for s in replica.data.shards)
-            self.unit_steps = -(-longest // self.cfg.train.batch_size)
+            self.unit_steps = train.lockstep_steps([s.indices.size for s in replica.data.shards],
+                                                   self.cfg.train.batch_size)
 
     def average(self, t: int) -> None:
         """local_sgd: every rank takes the Allreduce mean; diloco: an outer step on the mean's pseudo-gradient."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..config import SYNCS_GRADIENTS
 from ..core import merge, privacy, protocol, robust
 from ..errors import ConfigError
 from ..results import MetricRow
@@ -387,7 +388,11 @@ def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Opti
     check_model(model, cfg.model.name, placed.x, placed.y, cfg.privacy.per_example)
     n = len(placed.y)
     q = min(1.0, cfg.train.batch_size / max(n, 1))
-    steps = train.steps_per_unit(cfg.train, n, cfg.privacy.sampling == "poisson") * cfg.train.budget
+    if cfg.strategy in SYNCS_GRADIENTS and cfg.train.unit == "epoch":  # the mixer's steps (sync_gradients)
+        per_unit = train.lockstep_steps([s.indices.size for s in placed.shards], cfg.train.batch_size)
+    else:
+        per_unit = train.steps_per_unit(cfg.train, n, cfg.privacy.sampling == "poisson")
+    steps = per_unit * cfg.train.budget
     try:
         sigma, eps = privacy.plan(pc, q, steps)
     except ValueError as exc:

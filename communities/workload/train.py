@@ -50,6 +50,11 @@ def steps_per_unit(cfg, n: int, poisson: bool) -> int:
     return poisson_steps(n, cfg.batch_size, None) if poisson else -(-n // cfg.batch_size)
 
 
+def lockstep_steps(shard_sizes, batch_size: int) -> int:
+    """Steps of an epoch unit when every step is a collective (strategy allreduce): the longest shard's epoch."""
+    return -(-max(int(n) for n in shard_sizes) // batch_size)
+
+
 def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Optional[int], poisson: bool = False):
     """Index batches for unit t: one shuffled epoch, or exactly ``steps`` full batches.
 
