@@ -190,3 +190,13 @@ def test_user_models_with_batch_norm_or_dropout_are_refused(layer):
 def test_an_unreachable_epsilon_says_so():
     with pytest.raises(ValueError, match="no noise keeps 100000 steps at sampling rate 1 within epsilon 0.01"):
         privacy.noise_for_epsilon(0.01, 1e-5, 1.0, 100000)
+
+
+def test_a_missing_opacus_is_a_config_error_that_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from communities.workload.private import require_opacus
+
+    monkeypatch.setitem(sys.modules, "opacus", None)  # import opacus now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install -e '.\[privacy\]'"):
+        require_opacus()
