@@ -484,8 +484,8 @@ class PrivacyConfig(_Section):
         "are not noised, and rank 0 gathers them (off: null there, and no partner is told a loss)")
     per_example: Literal["auto", "vmap", "hooks"] = Field(
         "auto", description="how the per-example gradient norms are computed: vmap (torch.func), hooks (Opacus's "
-        "GradSampleModule), auto: hooks when every layer with parameters is a Linear, else vmap (the faster of "
-        "the two for such models: communities bench privacy); the gradient applied is the same either way")
+        "GradSampleModule), auto: hooks when every layer with parameters is a Linear, else vmap (the faster at "
+        "batch 50, not at 200: communities bench privacy); the gradient applied is the same either way")
 
     @model_validator(mode="after")
     def _one_noise(self):

@@ -4,9 +4,8 @@ Two passes per step, both exact:
 
 1. per-example gradient norms, on the replica's current weights: with
    ``torch.func`` (``vmap(grad(...))`` over the batch), or with Opacus's
-   per-sample gradient hooks (``GradSampleModule``), whichever is faster for the
-   model (``privacy.per_example``; ``communities bench privacy``: the hooks for
-   a stack of Linear layers, vmap for convolutions);
+   per-sample gradient hooks (``GradSampleModule``), picked by
+   ``privacy.per_example`` (``communities bench privacy`` times both);
 2. one ordinary backward of ``sum_i c_i * loss_i / b`` with the clipping factors
    ``c_i = min(1, C / ||g_i||)`` held fixed, which is ``sum_i c_i g_i / b``.
 
@@ -59,8 +58,8 @@ def refuse_model(model: nn.Module, name: str) -> None:
 
 
 def per_example_method(model: nn.Module) -> str:
-    """privacy.per_example=auto: Opacus's hooks where every layer with parameters is a Linear (their einsum
-    beats vmap's fixed cost), vmap otherwise (convolutions: ``communities bench privacy``)."""
+    """privacy.per_example=auto: Opacus's hooks where every layer with parameters is a Linear, vmap otherwise:
+    the faster of the two for the built-in models at batch 50, the slower at 200 (``communities bench privacy``)."""
     owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     return "hooks" if owners and all(isinstance(m, nn.Linear) for m in owners) else "vmap"
 
