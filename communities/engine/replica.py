@@ -13,7 +13,6 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -26,7 +25,7 @@ from ..results import MetricRow
 from ..runtime.collective import on_every_rank
 from ..runtime.comm import World
 from ..workload import models, train, vectorized
-from ..workload.private import PrivateGradient, check_model, require_opacus
+from ..workload.private import DPPlan, PrivateGradient, check_model, plan, require_opacus
 from ..workload.vectorized import StackedTrainer
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
@@ -66,12 +65,12 @@ class Replica:
     outer: Optional[merge.OuterOptimizer]  # merge.outer or diloco (``enable_outer``)
     anchor: Optional[torch.Tensor]  # diloco: the weights all ranks held after the last global step
     private: Optional[PrivateGradient]  # privacy.enabled: DP-SGD's clipped, noised gradients
-    dp: Optional["DPPlan"]  # privacy.enabled: the sampling rate and noise this replica's accounting uses
+    dp: Optional[DPPlan]  # privacy.enabled: the sampling rate and noise this replica's accounting uses
     dp_steps: int  # DP-SGD steps taken so far (the accountant's step count)
 
     def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
-                 tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional["DPPlan"] = None):
+                 tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional[DPPlan] = None):
         self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
         self.rank, self.data, self.tracker, self.vectorized = world.rank, placed, tracker, vectorized
         self.model, self.flat, self.n_params = model, flat, n_params
@@ -358,16 +357,6 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
         mode, model, per, sample=(placed.x[:4], placed.y[:4]), name=cfg.model.name))
 
 
-@dataclass(frozen=True)
-class DPPlan:
-    """One replica's DP-SGD accounting inputs: what privacy.epsilon needs besides its step count."""
-
-    sample_rate: float  # q = batch_size / shard size
-    noise_multiplier: float  # sigma (privacy.noise_multiplier, or derived from privacy.epsilon)
-    planned_steps: int  # steps of train.budget units
-    planned_epsilon: float  # epsilon after the planned steps
-
-
 def _announce(cfg: "Config", dp: DPPlan) -> None:
     """Rank 0's start-up line on privacy: the noise, the sampling and the epsilon the budget plans."""
     pc = cfg.privacy
@@ -386,18 +375,8 @@ def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Opti
         return None
     require_opacus()
     check_model(model, cfg.model.name, placed.x, placed.y, cfg.privacy.per_example)
-    n = len(placed.y)
-    q = min(1.0, cfg.train.batch_size / max(n, 1))
-    if cfg.strategy in SYNCS_GRADIENTS and cfg.train.unit == "epoch":  # the mixer's steps (sync_gradients)
-        per_unit = train.lockstep_steps([s.indices.size for s in placed.shards], cfg.train.batch_size)
-    else:
-        per_unit = train.steps_per_unit(cfg.train, n, cfg.privacy.sampling == "poisson")
-    steps = per_unit * cfg.train.budget
-    try:
-        sigma, eps = privacy.plan(pc, q, steps)
-    except ValueError as exc:
-        raise ConfigError(f"privacy.epsilon={pc.epsilon}: {exc}; raise it, or lower train.budget") from None
-    return DPPlan(q, sigma, steps, eps)
+    return plan(pc, cfg.train, len(placed.y), [s.indices.size for s in placed.shards],
+                lockstep=cfg.strategy in SYNCS_GRADIENTS)
 
 
 def _build_model(cfg: "Config", world: World, device: torch.device, placed: ReplicaData

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from . import data, models, plugins, train
+from . import data, models, plugins
 
 SAMPLE = 4  # test examples in the forward pass
 
@@ -66,21 +66,18 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
 
 def _privacy_line(cfg, model, ds, sizes: Optional[List[int]]) -> str:
     """What DP-SGD will do: the noise and epsilon planned for the smallest and largest shard."""
-    from ..core import privacy
-    from .private import check_model, require_opacus
+    from .private import check_model, plan, require_opacus
 
     require_opacus()
     x = torch.as_tensor(np.ascontiguousarray(ds.x_train[:2]))
     check_model(model, cfg.model.name, x, torch.as_tensor(ds.y_train[:2], dtype=torch.int64), cfg.privacy.per_example)
     if not sizes:
         return "privacy: DP-SGD checked on the model (pass --world-size N for the noise each shard gets)"
-    pc, tc = cfg.privacy, cfg.train
+    pc = cfg.privacy
     parts = []
     for n in sorted({min(sizes), max(sizes)}):
-        per_unit = train.steps_per_unit(tc, n, pc.sampling == "poisson")
-        q = min(1.0, tc.batch_size / n)
-        sigma, eps = privacy.plan(pc, q, per_unit * tc.budget)
-        parts.append(f"shard {n}: q={q:.4g}, noise multiplier {sigma:.4g}, epsilon {eps:.3g} after "
-                     f"{per_unit * tc.budget} steps")
+        p = plan(pc, cfg.train, n, sizes, lockstep=cfg.strategy == "allreduce")
+        parts.append(f"shard {n}: q={p.sample_rate:.4g}, noise multiplier {p.noise_multiplier:.4g}, epsilon "
+                     f"{p.planned_epsilon:.3g} after {p.planned_steps} steps")
     return f"privacy: DP-SGD at delta {pc.delta:g}, clipping {pc.max_grad_norm:g}, {pc.sampling} sampling; " + \
         "; ".join(parts)

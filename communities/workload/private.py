@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import secrets
 import warnings
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +34,34 @@ from torch.nn import functional as F
 
 from ..core import privacy, protocol
 from ..errors import ConfigError
+from . import train
+
+
+@dataclass(frozen=True)
+class DPPlan:
+    """One replica's DP-SGD accounting inputs: what privacy.epsilon needs besides its step count."""
+
+    sample_rate: float  # q = batch_size / shard size
+    noise_multiplier: float  # sigma (privacy.noise_multiplier, or derived from privacy.epsilon)
+    planned_steps: int  # steps of train.budget units
+    planned_epsilon: float  # epsilon after the planned steps
+
+
+def plan(pc, tc, n: int, shard_sizes: Sequence[int], lockstep: bool) -> DPPlan:
+    """The plan of a replica with n training examples (a PrivacyConfig, a TrainConfig; a ConfigError for an
+    unreachable epsilon). ``lockstep``: every step is a collective (allreduce), so an epoch unit takes the
+    longest shard's steps, as the mixer does."""
+    q = min(1.0, tc.batch_size / max(n, 1))
+    if lockstep and tc.unit == "epoch":
+        per_unit = train.lockstep_steps(shard_sizes, tc.batch_size)
+    else:
+        per_unit = train.steps_per_unit(tc, n, pc.sampling == "poisson")
+    steps = per_unit * tc.budget
+    try:
+        sigma, eps = privacy.plan(pc, q, steps)
+    except ValueError as exc:
+        raise ConfigError(f"privacy.epsilon={pc.epsilon}: {exc}; raise it, or lower train.budget") from None
+    return DPPlan(q, sigma, steps, eps)
 
 
 def require_opacus() -> None:

@@ -200,3 +200,17 @@ def test_a_missing_opacus_is_a_config_error_that_says_how_to_install_it(monkeypa
     monkeypatch.setitem(sys.modules, "opacus", None)  # import opacus now raises ImportError
     with pytest.raises(ConfigError, match=r"pip install -e '.\[privacy\]'"):
         require_opacus()
+
+
+def test_the_plan_counts_the_steps_units_take_and_names_an_unreachable_epsilon():
+    from communities.workload.private import plan
+
+    cfg = _cfg("privacy.enabled=true", "privacy.epsilon=8", "train.budget=10")  # epoch units, batch 50
+    own = plan(cfg.privacy, cfg.train, 480, [480, 520], lockstep=False)
+    assert own.sample_rate == 50 / 480 and own.planned_steps == 10 * 10  # round(480 / 50) Poisson steps
+    lock = plan(cfg.privacy, cfg.train, 480, [480, 520], lockstep=True)
+    assert lock.planned_steps == 10 * 11  # allreduce: the longest shard's epoch, as the mixer steps
+    assert lock.noise_multiplier > own.noise_multiplier and 7.9 <= lock.planned_epsilon <= 8.0
+    tight = _cfg("privacy.enabled=true", "privacy.epsilon=0.001", "train.budget=10")
+    with pytest.raises(ConfigError, match="privacy.epsilon=0.001: no noise keeps"):
+        plan(tight.privacy, tight.train, 480, [480], lockstep=False)
