@@ -17,6 +17,9 @@ updated (its weights and optimizer state stay as they are). The optimizer is
 SGD (momentum, Nesterov, weight decay) or AdamW computed as ``torch.optim``
 computes them, on flat per-replica state, convertible to and from each
 replica's ``torch.optim`` state dict (checkpoints, ``merge.optimizer_state``).
+Per-replica hyperparameters (population-based training) come from each member's
+optimizer ``param_groups`` (``train_members`` hands them to ``StackedTrainer.set_rows``);
+when they all equal the shared config, the scalar step runs, bitwise as before.
 
 Equal within a tolerance, not bitwise: the batched kernels sum in another order
 (tests pin max abs weight difference <= 1e-5 after a few units).
@@ -34,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -157,6 +160,7 @@ class StackedTrainer:
         self.momentum = torch.zeros(R, P, dtype=dt, device=dev)  # SGD momentum_buffer / AdamW exp_avg
         self.second = torch.zeros(R, P, dtype=dt, device=dev) if cfg.optimizer == "adamw" else None  # exp_avg_sq
         self.step = torch.zeros(R, dtype=torch.float64, device=dev)  # AdamW step count
+        self._rows: Optional[_Rows] = None  # per-replica hyperparameters (set_rows); None: the cfg scalars
         self._checked = False
         self._cache: Optional[Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor, List[int]]] = None
         self._keep: Tuple[List[torch.Tensor], List[torch.Tensor]] = ([], [])
@@ -290,8 +294,37 @@ class StackedTrainer:
         return [train.UnitResult(lo / max(n, 1), c / max(n, 1), n, k) for lo, c, n, k in
                 zip(total_loss.tolist(), correct.tolist(), seen.tolist(), n_steps.tolist())]
 
+    def set_rows(self, groups: Optional[Sequence[Mapping[str, Any]]]) -> bool:
+        """Each replica's own hyperparameters, one torch.optim param group (or a dict with its keys) per row:
+        'lr', 'momentum', 'nesterov' and 'weight_decay' for SGD, 'lr', 'weight_decay' and 'betas' for AdamW (a
+        missing key: the cfg's value). Until the next call, every step uses them. When every row equals the cfg
+        (or ``groups`` is None) the scalar step runs, bitwise as without this call; returns whether rows differ."""
+        self._rows = None
+        if groups is None:
+            return False
+        if len(groups) != self.R:
+            raise ValueError(f"set_rows needs {self.R} param groups, got {len(groups)}")
+        cfg = self.cfg
+        base = _hyper(cfg.optimizer, {}, cfg)
+        rows = [_hyper(cfg.optimizer, gr, cfg) for gr in groups]
+        if all(r == base for r in rows):
+            return False
+        dev = self.flats.device
+        lr, mom, wd, b1, b2 = (torch.tensor([r[i] for r in rows], dtype=torch.float64, device=dev) for i in range(5))
+        self._rows = _Rows(lr=lr, momentum=mom, weight_decay=wd, beta1=b1, beta2=b2,
+                           nesterov=torch.tensor([bool(r[5]) for r in rows], dtype=torch.bool, device=dev),
+                           groups=[{k: v for k, v in gr.items() if k != "params"} for gr in groups])
+        return True
+
+    def row_momentum(self, r: int) -> float:
+        """Replica r's SGD momentum (the cfg's, or its own after set_rows)."""
+        return float(self.cfg.momentum) if self._rows is None else float(self._rows.momentum[r])
+
     def _optimizer_step(self, g: torch.Tensor, active: Optional[torch.Tensor]) -> None:
         """One step of every active replica, as torch.optim computes it; inactive rows are left untouched."""
+        if self._rows is not None:
+            self._optimizer_step_rows(g, active, self._rows)
+            return
         cfg, w = self.cfg, self.flats[:, : self.n_params]
         if cfg.optimizer == "sgd":
             if cfg.weight_decay != 0:
@@ -331,6 +364,48 @@ class StackedTrainer:
         self._put(self.second, v, active)
         self._put(w, new_w, active)
 
+    def _optimizer_step_rows(self, g: torch.Tensor, active: Optional[torch.Tensor], rows: "_Rows") -> None:
+        """``_optimizer_step`` with each row's own hyperparameters, (R, 1) columns: what torch.optim computes
+        for each replica with its own param group (within float rounding)."""
+        w = self.flats[:, : self.n_params]
+        dt = w.dtype
+        lr, wd = rows.lr.to(dt)[:, None], rows.weight_decay.to(dt)[:, None]
+        act = torch.ones(self.R, dtype=torch.bool, device=w.device) if active is None else active
+        if self.cfg.optimizer == "sgd":
+            g = g + wd * w  # a row without weight decay adds 0 * w: g unchanged
+            mom = rows.momentum.to(dt)[:, None]
+            uses = rows.momentum != 0  # torch keeps no buffer (nor touches one) where momentum is 0: the step is g
+            fresh = ~self.has_state
+            buf = torch.where(fresh[:, None], g, self.momentum * mom + g)
+            upd = act & uses
+            self.momentum.copy_(torch.where(upd[:, None], buf, self.momentum))
+            self.has_state |= upd
+            d = torch.where(rows.nesterov[:, None], g + mom * buf, buf)
+            d = torch.where(uses[:, None], d, g)
+            self._put(w, w - lr * d, active)
+            return
+        assert self.second is not None
+        eps = float(self._groups[0]["eps"])
+        self.momentum[~self.has_state] = 0
+        self.second[~self.has_state] = 0
+        self.step[~self.has_state] = 0
+        self.step += act.double()
+        self._set_has(active)
+        step = self.step.clamp(min=1)
+        bc1 = 1 - rows.beta1.pow(step)
+        bc2_sqrt = (1 - rows.beta2.pow(step)).sqrt()
+        step_size = (rows.lr / bc1).to(dt)[:, None]
+        decay = (1 - rows.lr * rows.weight_decay).to(dt)[:, None]
+        new_w = w * decay
+        m = self.momentum.lerp(g, (1 - rows.beta1).to(dt)[:, None])
+        b2 = rows.beta2.to(dt)[:, None]
+        v = self.second * b2 + g * g * (1 - rows.beta2).to(dt)[:, None]
+        denom = (v.sqrt() / bc2_sqrt.to(dt)[:, None]).add_(eps)
+        new_w = new_w - step_size * (m / denom)
+        self._put(self.momentum, m, active)
+        self._put(self.second, v, active)
+        self._put(w, new_w, active)
+
     @staticmethod
     def _put(dst: torch.Tensor, src: torch.Tensor, active: Optional[torch.Tensor]) -> None:
         if active is None:
@@ -355,7 +430,7 @@ class StackedTrainer:
 
     def state_tensors(self, r: int) -> List[torch.Tensor]:
         """Replica r's moment rows (views), empty without state: what ``merge.optimizer_state: average`` lerps."""
-        if not bool(self.has_state[r]) or (self.cfg.optimizer == "sgd" and self.cfg.momentum == 0):
+        if not bool(self.has_state[r]) or (self.cfg.optimizer == "sgd" and self.row_momentum(r) == 0):
             return []
         rows = [self.momentum[r]]
         if self.second is not None:
@@ -365,7 +440,7 @@ class StackedTrainer:
     def optimizer_state_dict(self, r: int) -> Dict[str, Any]:
         """Replica r's optimizer state as ``torch.optim`` (SGD or AdamW over ``model.parameters()``) saves it."""
         state: Dict[int, Dict[str, torch.Tensor]] = {}
-        if bool(self.has_state[r]) and not (self.cfg.optimizer == "sgd" and self.cfg.momentum == 0):
+        if bool(self.has_state[r]) and not (self.cfg.optimizer == "sgd" and self.row_momentum(r) == 0):
             for i, (s, o) in enumerate(zip(self.shapes, self.offsets)):
                 n = int(np.prod(s, dtype=np.int64))
                 if self.cfg.optimizer == "sgd":
@@ -375,7 +450,8 @@ class StackedTrainer:
                     state[i] = {"step": torch.tensor(float(self.step[r]), dtype=torch.float32),
                                 "exp_avg": self.momentum[r, o: o + n].view(s).clone(),
                                 "exp_avg_sq": self.second[r, o: o + n].view(s).clone()}
-        groups = [dict(g, params=list(range(len(self.names)))) for g in self._groups]
+        own = {} if self._rows is None else self._rows.groups[r]
+        groups = [dict(g, **own, params=list(range(len(self.names)))) for g in self._groups]
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state_dict(self, r: int, sd: Dict[str, Any]) -> None:
@@ -407,6 +483,32 @@ class StackedTrainer:
         self.step.copy_(state["step"])
         if self.second is not None:
             self.second.copy_(state["second"])
+
+
+@dataclass
+class _Rows:
+    """Per-replica hyperparameters (float64 (R,) columns; SGD rows carry betas, AdamW rows momentum, unused)."""
+
+    lr: torch.Tensor
+    momentum: torch.Tensor
+    weight_decay: torch.Tensor
+    beta1: torch.Tensor
+    beta2: torch.Tensor
+    nesterov: torch.Tensor  # bool
+    groups: List[Dict[str, Any]]  # the param groups as given, less 'params' (optimizer_state_dict reports them)
+
+
+def _hyper(optimizer: str, group: Mapping[str, Any], cfg: Any) -> Tuple[float, float, float, float, float, bool]:
+    """(lr, momentum, weight_decay, beta1, beta2, nesterov) of one param group as ``optimizer`` uses them (a missing
+    key: the cfg's value): the keys the other optimizer ignores are fixed, and Nesterov counts only with momentum."""
+    lr = float(group.get("lr", cfg.lr))
+    wd = float(group.get("weight_decay", cfg.weight_decay))
+    if optimizer == "sgd":
+        mom = float(group.get("momentum", cfg.momentum))
+        nesterov = bool(group.get("nesterov", cfg.nesterov)) and mom != 0
+        return lr, mom, wd, 0.0, 0.0, nesterov
+    b1, b2 = (float(b) for b in group.get("betas", cfg.betas))
+    return lr, 0.0, wd, b1, b2, False
 
 
 def _index_plan(plans: List[List[np.ndarray]], offs: List[int]) -> Tuple[np.ndarray, np.ndarray]:
@@ -513,10 +615,13 @@ def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int,
     """Unit t of every member as one stacked model: their weights and optimizer states are copied in, trained,
     and copied back into each member's own buffers (a checkpoint, a merge or an exchange sees them as always).
 
+    Each member's hyperparameters are its optimizer's ``param_groups[0]`` (``StackedTrainer.set_rows``): equal to
+    the trainer's cfg, the scalar step runs; otherwise every row steps with its own.
     Returns each member's (result, its share of the seconds the stacked step took).
     """
     start = time.perf_counter()
     n = trainer.n_params
+    trainer.set_rows([m.opt.param_groups[0] for m in members])  # each member's own lr, momentum, ... (PBT)
     with torch.no_grad():
         for r, m in enumerate(members):
             trainer.flats[r].copy_(m.flat[:n])
@@ -557,7 +662,7 @@ def _state_out(trainer: StackedTrainer, r: int, m: Member) -> None:
     if not bool(trainer.has_state[r]):
         return
     sgd = trainer.cfg.optimizer == "sgd"
-    if sgd and trainer.cfg.momentum == 0:
+    if sgd and trainer.row_momentum(r) == 0:  # torch keeps (and touches) no buffer without momentum
         return
     for p, o in zip(m.model.parameters(), trainer.offsets):
         k = p.numel()
