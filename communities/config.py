@@ -498,6 +498,73 @@ class PrivacyConfig(_Section):
         return self
 
 
+PBT_PARAMS = {  # a learnable hyperparameter -> the values its config field allows: (low, high or None, high allowed)
+    "train.lr": (0.0, None, False), "train.momentum": (0.0, 1.0, False), "train.weight_decay": (0.0, None, False),
+    "train.beta1": (0.0, 1.0, False), "train.beta2": (0.0, 1.0, False), "merge.alpha": (0.0, 1.0, True),
+    "merge.lam": (1.0, None, False),
+}
+
+
+class PbtRange(_Section):
+    """Where one learnable hyperparameter lives: each replica's first value is drawn from [low, high]."""
+
+    low: float
+    high: float
+    scale: Literal["log", "linear"] = Field("log", description="log: drawn log-uniformly (low > 0); linear: uniformly")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.high < self.low:
+            raise ValueError(f"high={self.high} is below low={self.low}")
+        if self.scale == "log" and self.low <= 0:
+            raise ValueError(f"scale='log' needs low > 0 (got low={self.low}); use scale='linear' for a range from 0")
+        return self
+
+
+class PbtConfig(_Section):
+    """Population-based training on the merges: each replica owns its hyperparameters; at a merge the worse of
+    the pair (by the loss on its own held-out data) adopts the better one's and perturbs them."""
+
+    enabled: bool = False
+    params: Dict[str, PbtRange] = Field(
+        default_factory=dict, description="the learnable hyperparameters, each {low, high, scale}: "
+        + ", ".join(PBT_PARAMS) + " (train.beta1/beta2: the entries of train.betas)")
+    ready: int = Field(4, ge=1, description="units a replica trains with its hyperparameters before it may adopt "
+                       "new ones (PBT's ready)")
+    factors: List[float] = Field(default_factory=lambda: [0.8, 1.25], min_length=1, description="explore: each "
+                                 "adopted value is multiplied by one of these, drawn uniformly, then kept in range")
+    resample: float = Field(0.0, ge=0, le=1, description="explore: the probability that a value is drawn afresh "
+                            "from its range instead")
+    margin: float = Field(0.0, ge=0, lt=1, description="adopt only where the partner's score is lower by more than "
+                          "this share of one's own (0: any lower score)")
+
+    @field_validator("factors")
+    @classmethod
+    def _positive(cls, factors: List[float]) -> List[float]:
+        if any(f <= 0 for f in factors):
+            raise ValueError(f"every factor must be > 0 (got {factors})")
+        return factors
+
+    @model_validator(mode="after")
+    def _known(self):
+        for key, rng in self.params.items():
+            if key not in PBT_PARAMS:
+                near = difflib.get_close_matches(key, list(PBT_PARAMS), n=1)
+                raise ValueError(f"pbt.params has no hyperparameter {key!r}"
+                                 + (f" (did you mean {near[0]!r}?)" if near else "")
+                                 + f"; learnable: {', '.join(PBT_PARAMS)}")
+            lo, hi, closed = PBT_PARAMS[key]
+            over = hi is not None and (rng.high > hi if closed else rng.high >= hi)
+            if rng.low < lo or over:
+                bound = f">= {lo}" if hi is None else f"[{lo}, {hi}{']' if closed else ')'}"
+                raise ValueError(f"pbt.params.{key}: [{rng.low}, {rng.high}] leaves {key}'s allowed values {bound}")
+        if self.enabled and not self.params:
+            raise ValueError("pbt.enabled=true needs at least one entry in pbt.params")
+        if not self.enabled and self.params:
+            raise ValueError(f"pbt.params ({', '.join(self.params)}) has no effect with pbt.enabled=false")
+        return self
+
+
 Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce", "ifca", "oracle"]
 STRATEGIES = get_args(Strategy)
 SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training (every step)
@@ -536,6 +603,7 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     ifca: IfcaConfig = IfcaConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    pbt: PbtConfig = PbtConfig()
 
     @field_validator("name", mode="after")
     @classmethod
@@ -598,6 +666,35 @@ class Config(_Section):
                    "different masks)")
         if why is not None:
             raise ValueError(f"privacy.enabled=true is refused with {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _pbt(self):
+        """What population-based training needs: pairwise merges to ride on, and a score both partners trust."""
+        pc = self.pbt
+        if not pc.enabled:
+            return self
+        why = None
+        if self.strategy not in PAIRWISE:
+            why = (f"strategy={self.strategy!r}: adoption rides on pairwise merges (strategies "
+                   f"{', '.join(PAIRWISE)})")
+        elif self.data.local_test_fraction <= 0:
+            why = ("data.local_test_fraction=0: each replica is scored on its own held-out data; set "
+                   "data.local_test_fraction (e.g. 0.1)")
+        elif self.privacy.enabled:
+            why = "privacy.enabled=true (the score, a loss on the shard's held-out part, travels without noise)"
+        elif "train.momentum" in pc.params and self.train.optimizer != "sgd":
+            why = f"pbt.params.train.momentum with train.optimizer={self.train.optimizer!r} (momentum is SGD's)"
+        elif any(k in pc.params for k in ("train.beta1", "train.beta2")) and self.train.optimizer != "adamw":
+            why = f"pbt.params.train.beta1/beta2 with train.optimizer={self.train.optimizer!r} (the betas are AdamW's)"
+        elif "merge.alpha" in pc.params and self.merge.rule not in ("constant", "clock", "loss"):
+            why = f"pbt.params.merge.alpha with merge.rule={self.merge.rule!r} (the rule does not use merge.alpha)"
+        elif "merge.lam" in pc.params and self.strategy == "ring":
+            why = "pbt.params.merge.lam with strategy='ring' (the ring merges every unit; it has no merge timers)"
+        elif "train.momentum" in pc.params and self.train.nesterov and pc.params["train.momentum"].low <= 0:
+            why = "pbt.params.train.momentum from 0 with train.nesterov=true (Nesterov needs a momentum > 0)"
+        if why is not None:
+            raise ValueError(f"pbt.enabled=true is refused with {why}")
         return self
 
     @model_validator(mode="after")

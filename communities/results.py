@@ -333,6 +333,7 @@ class Event(IntEnum):
     TIMEOUT = 5  # protocol async: the partner did not answer within comm.timeout; skipped
     BUSY = 6  # protocol async: the partner was waiting on a request of its own; another one was drawn
     LOST = 7  # comm.fault_tolerance shrink: rank i was lost; the survivors went on from unit t (j = -1)
+    ADOPT = 8  # pbt: rank i adopted rank j's hyperparameters (perturbed) at their exchange
 
     @property
     def label(self) -> str:
@@ -421,7 +422,16 @@ class MergeRow(_Record):
         """comm.fault_tolerance shrink: ``rank`` was lost; the survivors went on from unit t."""
         return cls(t, rank, -1, -1, 0.0, 0.0, float("nan"), 0, int(Event.LOST))
 
+    @classmethod
+    def adopted(cls, t: int, rank: int, partner: int, initiator: int, score: float, partner_score: float
+                ) -> "MergeRow":
+        """pbt: ``rank`` adopted ``partner``'s hyperparameters; the two scores are kept in the norm columns."""
+        return cls(t, rank, partner, initiator, 0.0, score, partner_score, 0, int(Event.ADOPT))
+
     def to_json(self, rule: str) -> dict:
+        if self.event == Event.ADOPT:
+            return {"t": self.t, "i": self.i, "j": self.j, "initiator": self.initiator, "event": "adopt",
+                    "score": finite_or_none(self.update_norm), "partner_score": finite_or_none(self.distance)}
         return {"t": self.t, "i": self.i, "j": self.j, "initiator": self.initiator, "a": self.a,
                 "update_norm": finite_or_none(self.update_norm), "distance": finite_or_none(self.distance),
                 "bytes": self.bytes, "rule": rule, "event": Event(self.event).label}
@@ -488,9 +498,10 @@ class Summary:
     membership: Optional[dict] = None  # comm.fault_tolerance shrink: the survivors, the ranks lost, each recovery
     placement: Optional[dict] = None  # a population (world_size > MPI processes): processes, bytes by kind
     privacy: Optional[dict] = None  # privacy.enabled: each replica's epsilon, the worst one, noise and sampling
+    pbt: Optional[dict] = None  # pbt.enabled: each replica's final hyperparameters, and per community
 
     OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement", "local_test", "consensus_mode",
-                                           "community_models", "membership", "placement", "privacy")
+                                           "community_models", "membership", "placement", "privacy", "pbt")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -31,6 +31,8 @@ class Purpose(IntEnum):
     EX_STEP = 9  # examples: retirement draws
     JITTER = 10  # faults.jitter: a batch's injected delay
     DP_NOISE = 11  # privacy.noise=seeded: a unit's DP-SGD noise
+    PBT_DRAW = 12  # pbt: a replica's first hyperparameters
+    PBT_EXPLORE = 13  # pbt: the perturbation of hyperparameters a replica adopts
 
 
 Exchange = Tuple[int, int]  # (initiator, partner)
@@ -55,17 +57,33 @@ def _first_fires(n: int, seed: int, lam: float, start: int) -> np.ndarray:
 
 
 class MergeClock:
-    """The merge timers of all N ranks, held identically by every rank."""
+    """The merge timers of all N ranks, held identically by every rank.
 
-    def __init__(self, n: int, seed: int, lam: float, *, start: int = 0):
+    ``lams`` (pbt with merge.lam): each rank's own mean; a rank's new value takes effect when every rank has
+    learnt it (``set_lams`` at a signature round), so the clocks stay identical.
+    """
+
+    def __init__(self, n: int, seed: int, lam: float, *, start: int = 0, lams: Optional[np.ndarray] = None):
         self.n, self.seed, self.lam = int(n), int(seed), float(lam)
-        self.next_fire = _first_fires(self.n, self.seed, self.lam, int(start)).copy()
+        self.lams = None if lams is None else np.asarray(lams, dtype=np.float64).copy()
+        if self.lams is None:
+            self.next_fire = _first_fires(self.n, self.seed, self.lam, int(start)).copy()
+        else:
+            self.next_fire = np.array([int(start) + merge_interval(self.seed, int(start), i, self.lam_of(i))
+                                       for i in range(self.n)], dtype=np.int64)
+
+    def lam_of(self, i: int) -> float:
+        return self.lam if self.lams is None else float(self.lams[i])
+
+    def set_lams(self, lams: np.ndarray) -> None:
+        """Every rank's merge.lam from now on (timers already armed keep their draw)."""
+        self.lams = np.asarray(lams, dtype=np.float64).reshape(self.n).copy()
 
     def fire(self, t: int) -> np.ndarray:
         """Ranks whose timer fires at t (increasing order); their timers are re-armed."""
         due = np.flatnonzero(self.next_fire <= t)
         for i in due:
-            self.next_fire[i] = t + merge_interval(self.seed, t, int(i), self.lam)
+            self.next_fire[i] = t + merge_interval(self.seed, t, int(i), self.lam_of(int(i)))
         return due
 
     def state(self) -> np.ndarray:

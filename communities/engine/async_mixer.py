@@ -53,7 +53,7 @@ class AsyncMixer(Mixer):
         timeout = cfg.comm.timeout if cfg.comm.timeout > 0 else math.inf
         self.rz = Rendezvous(self.rank, timeout)
         self.t = 0  # this rank's unit
-        self.next_fire = protocol.merge_interval(cfg.seed, 0, self.rank, cfg.merge.lam)
+        self.next_fire = protocol.merge_interval(cfg.seed, 0, self.rank, self._lam())
         self.sent_to = np.zeros(self.n, dtype=np.int64)  # control messages posted to each rank
         self.got_from = np.zeros(self.n, dtype=np.int64)  # ... and read from each
         self.stop_received = False
@@ -73,8 +73,13 @@ class AsyncMixer(Mixer):
         self.t = t
         self.serve()
         if t >= self.next_fire:
-            self.next_fire = t + protocol.merge_interval(self.cfg.seed, t, self.rank, self.cfg.merge.lam)
+            self.next_fire = t + protocol.merge_interval(self.cfg.seed, t, self.rank, self._lam())
             self._initiate(t)
+
+    def _lam(self) -> float:
+        """merge.lam: this rank's own under pbt (async: no other rank draws this rank's timer)."""
+        hyper = self.replica.hyper
+        return self.cfg.merge.lam if hyper is None else hyper.get("merge.lam", self.cfg.merge.lam)
 
     def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[StopReason]:
         """A stop asked here (broadcast to every rank, once) or heard from another rank; or the wall budget."""

@@ -144,30 +144,42 @@ def merge_chunks_(flat: torch.Tensor, theirs: torch.Tensor, a: float, buffers: C
 
 @dataclass(frozen=True)
 class Header:
-    """What partners swap before the payload (five float64 numbers, no pickle): all that sizes it."""
+    """What partners swap before the payload (float64 numbers, no pickle): all that sizes it.
+
+    Five numbers; under ``pbt`` also the score, whether the side may adopt, and its hyperparameters (both sides
+    run one config, so both send as many)."""
 
     samples: float  # examples trained on so far (merge.rule: clock)
     loss: float  # the last unit's training loss (merge.rule: loss)
     size: int  # weights held: partners must hold the same model
     state: int  # optimizer-moment elements offered for averaging (merge.optimizer_state: average; 0: none)
     diverged: bool  # never merge a diverged rank into a partner
+    score: float = 0.0  # pbt: the loss on this side's own held-out data (lower is better)
+    ready: bool = False  # pbt: this side may adopt its partner's hyperparameters (pbt.ready)
+    hyper: Tuple[float, ...] = ()  # pbt: this side's hyperparameters, in ``core.pbt.Space`` order
 
     def to_array(self) -> np.ndarray:
-        return np.array([self.samples, self.loss, float(self.size), float(self.state), float(self.diverged)],
-                        dtype=np.float64)
+        base = [self.samples, self.loss, float(self.size), float(self.state), float(self.diverged)]
+        if self.hyper:
+            base += [self.score, float(self.ready), *self.hyper]
+        return np.array(base, dtype=np.float64)
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> "Header":
-        return cls(float(a[0]), float(a[1]), int(a[2]), max(0, int(a[3])), bool(a[4]))
+        pbt = len(a) > 5
+        return cls(float(a[0]), float(a[1]), int(a[2]), max(0, int(a[3])), bool(a[4]),
+                   float(a[5]) if pbt else 0.0, bool(a[6]) if pbt else False,
+                   tuple(float(v) for v in a[7:]) if pbt else ())
 
 
-def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int) -> Tuple[float, Event]:
+def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int,
+           alpha: Optional[float] = None) -> Tuple[float, Event]:
     """(a, event): the weight this side gives the partner's weights, and what the exchange does.
 
     A diverged model is never merged into a healthy one: the healthy side keeps
     its weights (``skip_diverged``), the diverged side takes its partner's
     (``reset``) or is left alone (``quarantined``). Both sides reach the same
-    verdict from the same two headers.
+    verdict from the same two headers. ``alpha`` replaces ``merge_cfg.alpha`` (pbt: the pair's own).
     """
     if mine.diverged and not other.diverged and diverged_policy == "reset":
         return 1.0, Event.RESET
@@ -176,7 +188,7 @@ def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int)
     if other.diverged:
         return 0.0, Event.SKIP_DIVERGED
     a = merge.coefficient(merge_cfg.rule, merge.Side(mine.samples, mine.loss), merge.Side(other.samples, other.loss),
-                          merge_cfg.alpha, t, merge_cfg.ema)
+                          merge_cfg.alpha if alpha is None else alpha, t, merge_cfg.ema)
     return a, Event.MERGE
 
 

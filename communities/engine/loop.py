@@ -160,8 +160,10 @@ class Engine:
         self.world.watchdog.context = f"t={t}"
         if self.cfg.faults.disk_full_at is not None and t >= self.cfg.faults.disk_full_at:
             self._fill_disk()
+        hyper = self.replica.hyper
         self.log.unit(self.replica.train_unit(t, self.mixer.grad_sync, self.mixer.unit_steps,
-                                              self.mixer.between_batches))
+                                              self.mixer.between_batches),
+                      None if hyper is None else hyper.values.copy())
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
         decision = self._round(t) if self.rounds.due(t) else None
         self.log.consensus(self.consensus.evaluate_due(t))
@@ -267,7 +269,10 @@ class Engine:
             dp = {"epsilon": replica.epsilon, "noise_multiplier": replica.dp.noise_multiplier,
                   "sample_rate": replica.dp.sample_rate, "dp_steps": replica.dp_steps,
                   "planned_epsilon": replica.dp.planned_epsilon}
-        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views, dp)
+        com = self.mixer.strategy.communities
+        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views, dp,
+                                  None if replica.hyper is None else replica.hyper.values,
+                                  None if com is None else com.labels)
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..core import merge, partners
+from ..core import merge, partners, pbt
 from ..core.partners import Law
 from ..core.protocol import RunningDigest
 from ..errors import StopReason
@@ -129,13 +129,17 @@ class Mixer:
         cfg, r = self.cfg, self.replica
         mc = cfg.merge
         moments = optimizer_moments(r.model, r.opt) if mc.optimizer_state == "average" and r.opt.state else []
-        mine = Header(r.samples, r.told_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
+        mine = self._header(t, moments)
         sent0 = self.world.bytes_sent
         with self.timer("idle"):  # the partner may still be training: this is where we wait for it
             other = self.pair.swap_headers(mine, partner)
         r.faults.in_exchange(t)
         with self.timer("exchange"):
-            a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t)
+            alpha = None
+            if r.hyper is not None and "merge.alpha" in r.hyper.names:  # pbt: each side owns an alpha
+                k = r.hyper.names.index("merge.alpha")
+                alpha = pbt.pair_alpha(mine.hyper[k], other.hyper[k])
+            a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t, alpha)
             probe = self.probe if self.probe is not None and event == Event.MERGE and self.probe.active() else None
             probed = r.flat.clone() if probe is not None else None
             outer = r.outer if event == Event.MERGE else None
@@ -170,6 +174,19 @@ class Mixer:
                     probe.merged(partner, probed, a)
         self.record(MergeRow.pairwise(t, self.rank, partner, initiator, a, update, distance,
                                       self.world.bytes_sent - sent0, event))
+        if r.hyper is not None and pbt.adopts(mine.score, other.score, mine.ready, cfg.pbt.margin):
+            r.hyper.adopt(t, np.asarray(other.hyper), r.opt)  # exploit the better side's, then explore
+            self.record(MergeRow.adopted(t, self.rank, partner, initiator, mine.score, other.score))
+
+    def _header(self, t: int, moments: List[torch.Tensor]) -> Header:
+        """This side's header; under pbt with its score (the loss on its own held-out data, before the merge)."""
+        r = self.replica
+        base = (r.samples, r.told_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
+        if r.hyper is None:
+            return Header(*base)
+        with self.timer("eval"):
+            _, score = r.evaluate_local()
+        return Header(*base, score=score, ready=r.hyper.ready(t), hyper=tuple(float(v) for v in r.hyper.values))
 
     def _merge_optimizer_state(self, a: float, moments: List[torch.Tensor], got: Received) -> None:
         """reset: clear the moments; average: merge them with the partner's, which came in the payload."""

@@ -29,6 +29,7 @@ from ..workload.private import DPPlan, PrivateGradient, check_model, plan, requi
 from ..workload.vectorized import StackedTrainer
 from .example_tracker import ExampleTracker
 from .faults import NoFaults
+from .hyper import Hyperparameters
 from .replica_data import ReplicaData, load_replica_data
 from .timer import Timer
 
@@ -67,6 +68,7 @@ class Replica:
     private: Optional[PrivateGradient]  # privacy.enabled: DP-SGD's clipped, noised gradients
     dp: Optional[DPPlan]  # privacy.enabled: the sampling rate and noise this replica's accounting uses
     dp_steps: int  # DP-SGD steps taken so far (the accountant's step count)
+    hyper: Optional[Hyperparameters]  # pbt.enabled: the hyperparameters this replica owns
 
     def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
@@ -80,6 +82,9 @@ class Replica:
         self.diverged = self.outlier = False
         self.outer, self.anchor = None, None
         self.dp, self.dp_steps, self.private = dp, 0, None
+        self.hyper = Hyperparameters(cfg, self.rank) if cfg.pbt.enabled else None  # pbt: this replica's own
+        if self.hyper is not None:
+            self.hyper.apply(self.opt)
         if dp is not None:
             pc = cfg.privacy
             self.private = PrivateGradient(model, max_grad_norm=pc.max_grad_norm, noise_multiplier=dp.noise_multiplier,
@@ -145,9 +150,9 @@ class Replica:
                 if self.tracker is not None:
                     rows = self.tracker.training_rows(t)
                     x, y = self.tracker.view(rows)
+                hook = _batch_hook(self.faults, t, between_batches)
                 res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
-                                       grad_sync=grad_sync, between_batches=self._batch_hook(t, between_batches),
-                                       private=self.private)
+                                       grad_sync=grad_sync, between_batches=hook, private=self.private)
                 if self.tracker is not None and rows is not None:
                     self.tracker.trained(rows)
             self.faults.during_unit(t)
@@ -220,21 +225,6 @@ class Replica:
             res, seconds = self.world.together(("eval", t), self.flat, score)
         self.timer.reassign(seconds, "idle", "eval")
         return res
-
-    def _batch_hook(self, t: int, serve: Optional[Callable[[], None]]) -> Optional[Callable[[int], None]]:
-        """What runs between batches: an injected slowdown of this batch, then serving partners."""
-        slow = self.faults.batch_hook(t)
-        if slow is None and serve is None:
-            return None
-
-        def hook(step: int) -> None:
-            if slow is not None:
-                slow(step)
-            if serve is not None:
-                serve()
-                if slow is not None:
-                    slow.restart()  # the time spent serving is not this rank's compute
-        return hook
 
     def evaluate(self, flat: Optional[torch.Tensor] = None) -> Tuple[float, float]:
         """(accuracy, loss) on the shared test split, of these weights (default: this rank's own)."""
@@ -313,6 +303,7 @@ class Replica:
             "samples": self.samples, "recent_loss": self.recent_loss, "first_loss": self.first_loss,
             "test_acc": self.test_acc, "test_loss": self.test_loss, "diverged": self.diverged,
             "outlier": self.outlier, "dp_steps": self.dp_steps,
+            "pbt": None if self.hyper is None else self.hyper.state_dict(),
             "examples": None if self.tracker is None else self.tracker.state_dict(),
         }
 
@@ -329,10 +320,28 @@ class Replica:
         for key in ("samples", "recent_loss", "first_loss", "test_acc", "test_loss", "diverged", "outlier"):
             setattr(self, key, state[key])
         self.dp_steps = int(state.get("dp_steps", 0))  # (checkpoints from before privacy existed)
+        if self.hyper is not None:
+            self.hyper.load_state_dict(state["pbt"], self.opt)
         if self.tracker is not None:
             if state["examples"] is None:
                 raise ValueError("it has no example table, but examples.track is on")
             self.tracker.load_state_dict(state["examples"])
+
+
+def _batch_hook(faults: NoFaults, t: int, serve: Optional[Callable[[], None]]) -> Optional[Callable[[int], None]]:
+    """What runs between batches: an injected slowdown of this batch, then serving partners."""
+    slow = faults.batch_hook(t)
+    if slow is None and serve is None:
+        return None
+
+    def hook(step: int) -> None:
+        if slow is not None:
+            slow(step)
+        if serve is not None:
+            serve()
+            if slow is not None:
+                slow.restart()  # the time spent serving is not this rank's compute
+    return hook
 
 
 def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: ReplicaData) -> bool:

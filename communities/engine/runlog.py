@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import Config
+from ..core import pbt
 from ..core.clustering import adjusted_rand
 from ..core.partners import Law
 from ..manifest import entry
@@ -63,9 +64,14 @@ class RunLog:
         self.merges_logged = 0  # rank 0: pairwise merges written (counted once, at the initiator)
         self.products: dict = {}  # rank 0: manifest entries of the files written at the end
         self.board: Optional[TensorBoardLog] = None  # rank 0 with logging.tensorboard: the same rows as scalars
+        self.hyper_names = pbt.Space.of(cfg.pbt.params).names if cfg.pbt.enabled else ()
+        self.hyper_rows: List[np.ndarray] = []  # pbt: one row per metric row
 
-    def unit(self, row: MetricRow) -> None:
+    def unit(self, row: MetricRow, hyper: Optional[np.ndarray] = None) -> None:
+        """A unit's row; under pbt with the replica's hyperparameters as they were for it."""
         self.metric_rows.append(row)
+        if self.hyper_names:
+            self.hyper_rows.append(np.asarray(hyper, dtype=np.float64).reshape(len(self.hyper_names)))
 
     def merges(self, rows: List[MergeRow]) -> List[MergeRow]:
         self.merge_rows.extend(rows)
@@ -127,12 +133,18 @@ class RunLog:
         with self.timer(TimeCategory.IDLE):
             metrics = self.world.gather_rows(self._block(self.metric_rows, MetricRow))
             merges = self.world.gather_rows(self._block(self.merge_rows, MergeRow))
-        self.metric_rows, self.merge_rows = [], []
+            hyper = (self.world.gather_rows(np.array(self.hyper_rows, dtype=np.float64).reshape(
+                -1, len(self.hyper_names))) if self.hyper_names else None)
+        self.metric_rows, self.merge_rows, self.hyper_rows = [], [], []
         if self.writer is None or metrics is None or merges is None:  # not rank 0
             return
         local = self.cfg.data.local_test_fraction > 0
         private = self.cfg.privacy.enabled
         rows = [MetricRow.from_row(m).to_json(r, local, private) for r, block in enumerate(metrics) for m in block]
+        if hyper is not None:  # pbt: each row's hyperparameters, rank block by rank block in the same order
+            values = [v for block in hyper for v in block]
+            for row, v in zip(rows, values):
+                row["hyper"] = {n: float(x) for n, x in zip(self.hyper_names, v)}
         rows.sort(key=lambda d: (d["t"], d["rank"]))
         self.writer.append_jsonl("metrics.jsonl", rows)
         if self.board is not None:
@@ -178,13 +190,15 @@ class RunLog:
 
     def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
                tracker: Optional[ExampleTracker], views: Optional[List[list]] = None,
-               dp: Optional[dict] = None) -> Optional[Summary]:
+               dp: Optional[dict] = None, hyper: Optional[np.ndarray] = None,
+               labels: Optional[np.ndarray] = None) -> Optional[Summary]:
         """Gather every rank's final figures; rank 0 writes ``consensus.pt`` and ``summary.json`` and returns it.
 
         ``run`` holds the figures every rank shares (name, units, rounds, the
         consensus model's accuracy, ...); ``test_acc`` and ``distance`` (to the
         consensus, relative) are this rank's own; ``views`` (async) its community views;
-        ``dp`` (privacy.enabled) its ``DP_FIELDS``.
+        ``dp`` (privacy.enabled) its ``DP_FIELDS``; ``hyper`` (pbt) its final hyperparameters, summarised per
+        community of ``labels`` (the latest round's).
         """
         w = self.world
         mine = {"test_acc": test_acc, "distance": distance, "bytes_sent": w.bytes_sent, "wall": self.timer.elapsed(),
@@ -197,6 +211,7 @@ class RunLog:
         ex_rows = w.gather_rows(ex)
         hard_rows = w.gather_rows(hard)
         gathered = w.gather_rows(row)
+        hyper_rows = w.gather_rows(np.asarray(hyper, dtype=np.float64).reshape(1, -1)) if self.hyper_names else None
         view_rows = None
         if views is not None:  # rows of (round, t, wall, N labels)
             view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + w.size))
@@ -222,7 +237,9 @@ class RunLog:
             protocol=self.cfg.protocol,
             view_agreement=self._views(view_rows) if view_rows is not None else None,
             placement=placement_summary(w.processes, w.size, g),
-            privacy=self._privacy_summary(g) if dp is not None else None)
+            privacy=self._privacy_summary(g) if dp is not None else None,
+            pbt=(pbt.summary(self.hyper_names, np.concatenate(hyper_rows), labels)
+                 if hyper_rows is not None else None))
         self.writer.write_json("summary.json", summary.to_dict())
         if self.board is not None:
             self.board.finish(summary)

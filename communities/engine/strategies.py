@@ -45,6 +45,7 @@ from ..errors import ConfigError
 from ..results import Event, MergeRow
 from ..runtime.comm import World
 from ..workload import models
+from . import hyper
 from .replica import Replica
 from .timer import Timer
 
@@ -154,7 +155,7 @@ class Gossip(Strategy):
 
     def __init__(self, cfg: Config, n: int):
         super().__init__(cfg, n)
-        self.clock = protocol.MergeClock(n, cfg.seed, cfg.merge.lam)
+        self.clock = protocol.MergeClock(n, cfg.seed, cfg.merge.lam, lams=hyper.initial_lams(cfg, n))
         self._heights: Optional[partners.CopheneticHeights] = None
         # per-row factors on the law (partner_policy: least_recent; an older checkpoint's (N, N) matrix serves as well)
         self.bias: Optional[Union[partners.Staleness, np.ndarray]] = None
@@ -192,6 +193,10 @@ class Gossip(Strategy):
         self._heights = None
         if self.cfg.merge.partner_policy == "least_recent":
             self.bias = partners.Staleness(mixer.world.allgather(mixer.seen_at), t)
+        if self.clock.lams is not None and self.cfg.protocol == "virtual_clock":
+            # pbt: each rank's merge.lam as it stands now, learnt by all at once (the timers must stay identical)
+            own = self.cfg.merge.lam if mixer.replica.hyper is None else mixer.replica.hyper.get("merge.lam", 0.0)
+            self.clock.set_lams(mixer.world.allgather(np.array([own], dtype=np.float64)).reshape(-1))
 
     def law(self, t: int) -> Optional[Law]:
         return Law("uniform", self.n)
@@ -230,6 +235,7 @@ class Gossip(Strategy):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "clock": torch.from_numpy(self.clock.state()),
+                "lams": None if self.clock.lams is None else torch.from_numpy(self.clock.lams.copy()),
                 "bias": self._bias_state()}
 
     def _bias_state(self):
@@ -242,6 +248,8 @@ class Gossip(Strategy):
         super().load_state_dict(state)
         self._heights = None
         self.clock.load(state["clock"].numpy())
+        if state.get("lams") is not None:
+            self.clock.set_lams(state["lams"].numpy())
         bias = state["bias"]  # (an older checkpoint's is the (N, N) matrix of factors: its rows serve as well)
         self.bias = None if bias is None else bias.numpy().copy() if isinstance(bias, torch.Tensor) else \
             partners.Staleness(bias["seen_at"].numpy().copy(), bias["t"], bias["power"])

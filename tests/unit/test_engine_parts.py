@@ -77,6 +77,9 @@ def test_header_round_trips_through_its_float64_buffer():
     a = h.to_array()
     assert a.dtype == np.float64 and a.shape == (5,)
     assert Header.from_array(a) == h
+    pbt = Header(samples=1.0, loss=0.5, size=7, state=0, diverged=False, score=0.75, ready=True, hyper=(0.1, 2.5))
+    b = pbt.to_array()
+    assert b.shape == (9,) and Header.from_array(b) == pbt  # pbt: score, ready and the values travel too
 
 
 @pytest.mark.parametrize("mine_bad,other_bad,policy,expected", [
