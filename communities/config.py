@@ -920,6 +920,18 @@ def _parse_scalar(text: str, key: str = "") -> Any:
     return plain(value, key)
 
 
+def _override_path(key: str) -> List[str]:
+    """The path of an override's key. ``pbt.params``' keys hold dots themselves: ``pbt.params.train.lr.low`` is
+    (pbt, params, train.lr, low), and ``pbt.params.train.lr`` (a whole range) is (pbt, params, train.lr)."""
+    parts = key.split(".")
+    if parts[:2] == ["pbt", "params"] and len(parts) > 3:
+        fields = set(PbtRange.model_fields)
+        if parts[-1] in fields:
+            return parts[:2] + [".".join(parts[2:-1]), parts[-1]]
+        return parts[:2] + [".".join(parts[2:])]
+    return parts
+
+
 def apply_overrides(raw: dict, overrides: List[str]) -> dict:
     """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict.
 
@@ -933,7 +945,7 @@ def apply_overrides(raw: dict, overrides: List[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
         key, text = item.split("=", 1)
-        parts = key.strip().split(".")
+        parts = _override_path(key.strip())
         if not all(parts):
             raise ConfigError(f"override {item!r} has an empty key")
         node, default = out, defaults
