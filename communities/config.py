@@ -529,6 +529,9 @@ class PbtConfig(_Section):
     params: Dict[str, PbtRange] = Field(
         default_factory=dict, description="the learnable hyperparameters, each {low, high, scale}: "
         + ", ".join(PBT_PARAMS) + " (train.beta1/beta2: the entries of train.betas)")
+    start: Dict[int, Dict[str, float]] = Field(
+        default_factory=dict, description="replicas that start from given values instead of a draw, e.g. {0: "
+        "{train.lr: 0.1}} (a value from an earlier sweep); any value the config field allows, in range or not")
     ready: int = Field(4, ge=1, description="units a replica trains with its hyperparameters before it may adopt "
                        "new ones (PBT's ready)")
     factors: List[float] = Field(default_factory=lambda: [0.8, 1.25], min_length=1, description="explore: each "
@@ -558,6 +561,16 @@ class PbtConfig(_Section):
             if rng.low < lo or over:
                 bound = f">= {lo}" if hi is None else f"[{lo}, {hi}{']' if closed else ')'}"
                 raise ValueError(f"pbt.params.{key}: [{rng.low}, {rng.high}] leaves {key}'s allowed values {bound}")
+        for replica, values in self.start.items():
+            if replica < 0:
+                raise ValueError(f"pbt.start: replica {replica} is negative")
+            for key, value in values.items():
+                if key not in self.params:
+                    raise ValueError(f"pbt.start.{replica}.{key}: {key!r} is not one of pbt.params "
+                                     f"({', '.join(self.params) or 'none'})")
+                lo, hi, closed = PBT_PARAMS[key]
+                if value < lo or (hi is not None and (value > hi if closed else value >= hi)):
+                    raise ValueError(f"pbt.start.{replica}.{key}={value} is not a value {key} allows")
         if self.enabled and not self.params:
             raise ValueError("pbt.enabled=true needs at least one entry in pbt.params")
         if not self.enabled and self.params:
@@ -693,6 +706,9 @@ class Config(_Section):
             why = "pbt.params.merge.lam with strategy='ring' (the ring merges every unit; it has no merge timers)"
         elif "train.momentum" in pc.params and self.train.nesterov and pc.params["train.momentum"].low <= 0:
             why = "pbt.params.train.momentum from 0 with train.nesterov=true (Nesterov needs a momentum > 0)"
+        late = [r for r in pc.start if self.world_size is not None and r >= self.world_size]
+        if why is None and late:
+            why = f"pbt.start naming replica {late[0]} of world_size={self.world_size}"
         if why is not None:
             raise ValueError(f"pbt.enabled=true is refused with {why}")
         return self

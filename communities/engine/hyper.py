@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..core import pbt, protocol
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -24,8 +25,13 @@ _GROUP_KEYS = {"train.lr": ("lr", None), "train.momentum": ("momentum", None),
 
 
 def initial(cfg: "Config", replica: int) -> np.ndarray:
-    """Replica ``replica``'s first values: drawn from its own stream, so any rank can compute any replica's."""
-    return pbt.draw(pbt.Space.of(cfg.pbt.params), protocol.rng(cfg.seed, protocol.Purpose.PBT_DRAW, 0, replica))
+    """Replica ``replica``'s first values: drawn from its own stream, so any rank can compute any replica's; the
+    values ``pbt.start`` gives it replace the draw's."""
+    space = pbt.Space.of(cfg.pbt.params)
+    values = pbt.draw(space, protocol.rng(cfg.seed, protocol.Purpose.PBT_DRAW, 0, replica))
+    for name, value in cfg.pbt.start.get(int(replica), {}).items():
+        values[space.names.index(name)] = float(value)
+    return values
 
 
 def initial_lams(cfg: "Config", n: int) -> Optional[np.ndarray]:
@@ -39,16 +45,24 @@ def initial_lams(cfg: "Config", n: int) -> Optional[np.ndarray]:
 def _initial_lams(seed: int, pbt_json: str, n: int) -> np.ndarray:
     from ..config import PbtConfig
 
-    space = pbt.Space.of(PbtConfig.model_validate_json(pbt_json).params)
+    pc = PbtConfig.model_validate_json(pbt_json)
+    space = pbt.Space.of(pc.params)
     k = space.index("merge.lam")
-    return np.array([pbt.draw(space, protocol.rng(seed, protocol.Purpose.PBT_DRAW, 0, i))[k] for i in range(n)],
+    lams = np.array([pbt.draw(space, protocol.rng(seed, protocol.Purpose.PBT_DRAW, 0, i))[k] for i in range(n)],
                     dtype=np.float64)
+    for replica, values in pc.start.items():
+        if "merge.lam" in values and replica < n:
+            lams[replica] = float(values["merge.lam"])
+    return lams
 
 
 class Hyperparameters:
     """The values one replica owns, and when it last adopted new ones."""
 
-    def __init__(self, cfg: "Config", rank: int):
+    def __init__(self, cfg: "Config", rank: int, n: Optional[int] = None):
+        late = [r for r in cfg.pbt.start if n is not None and r >= n]
+        if late:
+            raise ConfigError(f"pbt.start names replica {late[0]}, but the run has {n} replicas (0..{n - 1})")
         self.cfg, self.rank = cfg, int(rank)
         self.space = pbt.Space.of(cfg.pbt.params)
         self.values = initial(cfg, rank)

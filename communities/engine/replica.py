@@ -82,7 +82,7 @@ class Replica:
         self.diverged = self.outlier = False
         self.outer, self.anchor = None, None
         self.dp, self.dp_steps, self.private = dp, 0, None
-        self.hyper = Hyperparameters(cfg, self.rank) if cfg.pbt.enabled else None  # pbt: this replica's own
+        self.hyper = Hyperparameters(cfg, self.rank, world.size) if cfg.pbt.enabled else None  # pbt: this replica's own
         if self.hyper is not None:
             self.hyper.apply(self.opt)
         if dp is not None:
