@@ -392,6 +392,8 @@ RESUME_MAY_CHANGE = ("train.budget", "train.wall_budget", "output", "checkpoint"
 def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
     """Dotted keys whose values differ between two config dicts (``RESUME_MAY_CHANGE`` ignored)."""
     out = []
+    # JSON keys are strings: a checkpoint's saved config has "0" where the live one has 0 (faults.speed, pbt.start)
+    saved, current = {str(k): v for k, v in saved.items()}, {str(k): v for k, v in current.items()}
     for key in sorted(set(saved) | set(current)):
         path = f"{prefix}{key}"
         if any(path == k or path.startswith(k + ".") for k in RESUME_MAY_CHANGE):
