@@ -85,10 +85,17 @@ class TensorBoardLog:
             eps = [r["epsilon"] for r in group if _finite(r.get("epsilon"))]
             if eps:
                 self._scalar("privacy/epsilon_max", max(eps), t)
+            for name in group[0].get("hyper") or {}:  # pbt: the population's spread of each learnt value
+                values = [r["hyper"][name] for r in group]
+                self._scalar(f"pbt/{name}_median", float(np.median(values)), t)
+                self._scalar(f"pbt/{name}_min", min(values), t)
+                self._scalar(f"pbt/{name}_max", max(values), t)
             if self.cfg.logging.per_rank:
                 for r in group:
                     prefix = f"rank_{r['rank']:03d}"
                     self._scalar(f"{prefix}/train_loss", r["loss"], t)
+                    for name, value in (r.get("hyper") or {}).items():
+                        self._scalar(f"{prefix}/{name}", value, t)
                     self._scalar(f"{prefix}/test_acc", r["test_acc"], t)
                     self._scalar(f"{prefix}/bytes_sent_mb", r["bytes_sent"] / 1e6, t)
 

@@ -613,6 +613,7 @@ class RunFigures:
     dendrograms: List[Tuple[int, List[str]]] = field(default_factory=list)  # (round, names)
     views: Optional[List[str]] = None  # protocol async: how far each rank's views agreed with rank 0's
     privacy: Optional[List[str]] = None  # privacy.enabled: each replica's epsilon over t
+    hyper: Optional[List[str]] = None  # pbt: each replica's learnt hyperparameters over t
 
 
 def _views_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
@@ -656,6 +657,37 @@ def _privacy_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]
     return _save(fig, out, stem, svg)
 
 
+def _hyper_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
+    """pbt: each replica's learnt hyperparameters over t, coloured by its community in the last complete round
+    (a population: each community's median and quantile bands). Log axes where a value spans a decade or more."""
+    names = sorted(view.hyper)
+    fig = _figure(7, 2.4 * len(names) + 0.6, constrained=True)
+    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
+    t = view.metric_t.astype(float)
+    labels = view.stable[-1] if view.stable.size else np.zeros(view.n, dtype=np.int64)
+    points = 0
+    for ax, name in zip(axes, names):
+        Y = view.hyper[name]
+        for k, c in enumerate(np.unique(labels)):
+            rows = Y[labels == c]
+            color = f"C{k % 10}"
+            if view.n > LARGE_WORLD:
+                points += _bands(ax, t, rows, color)
+            else:
+                points += _lines(ax, t, rows, color, alpha=0.6, lw=0.9)
+                ax.plot([], [], color=color, lw=0.9, label=f"community {int(c)} ({len(rows)})")
+        finite = Y[np.isfinite(Y)]
+        if finite.size and finite.min() > 0 and finite.max() / finite.min() >= 10:
+            ax.set_yscale("log")
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("virtual time t")
+    if view.n <= LARGE_WORLD and np.unique(labels).size <= 12:
+        axes[0].legend(fontsize=7, loc="best")
+    axes[0].set_title("Learnt hyperparameters (pbt), coloured by community in the last round")
+    return _save(fig, out, stem, svg and points <= SVG_MAX_ELEMENTS)
+
+
 def draw_run(view: RunView, out: Path, prefix: str, picked: Sequence[int], svg: bool) -> RunFigures:
     """One run's timeline (when it has rounds), merge matrix and the dendrograms of the ``picked`` rounds."""
     timeline = _timeline_figure(view, out, f"{prefix}timeline", svg) if view.infos else None
@@ -664,6 +696,8 @@ def draw_run(view: RunView, out: Path, prefix: str, picked: Sequence[int], svg: 
         figs.views = _views_figure(view, out, f"{prefix}view_agreement", svg)
     if view.epsilon.size and np.isfinite(view.epsilon).any():
         figs.privacy = _privacy_figure(view, out, f"{prefix}privacy", svg)
+    if view.hyper:
+        figs.hyper = _hyper_figure(view, out, f"{prefix}hyperparameters", svg)
     pos = {int(r): k for k, r in enumerate(view.round_idx)}
     canvas = _DendrogramCanvas()
     try:

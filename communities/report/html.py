@@ -103,6 +103,11 @@ def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: s
         parts.append("<h3>Privacy</h3><p>Each replica's epsilon after every unit (<code>privacy.enabled</code>, "
                      "from metrics.jsonl): how much of its shard's privacy the run has spent.</p>")
         parts.append(_img(figs.privacy, "privacy spent"))
+    if figs.hyper is not None:
+        parts.append("<h3>Learnt hyperparameters</h3><p>Each replica's values after every unit (<code>pbt</code>, "
+                     "from metrics.jsonl), coloured by its community in the last round: a step is an adoption of "
+                     "a better partner's values, perturbed.</p>")
+        parts.append(_img(figs.hyper, "learnt hyperparameters"))
     parts.append(f"<h3>Dendrograms</h3><p>{_e(note)}.</p>")
     if large and figs.dendrograms:
         parts.append(f"<p>{view.n} ranks: each tree is truncated to the communities of its round (one leaf per "

@@ -265,6 +265,7 @@ class RunView:
     test_acc: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T, NaN where no eval
     bytes_sent: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T, cumulative
     epsilon: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T (privacy.enabled), else empty
+    hyper: Dict[str, np.ndarray] = field(default_factory=dict)  # pbt: each learnable value, N x T
     consensus_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
     consensus_acc: np.ndarray = field(default_factory=lambda: np.zeros(0))
     merge_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -450,6 +451,9 @@ def _read_metrics(view: RunView) -> None:
             if "epsilon" in rows[0]:
                 view.epsilon = np.full((n, view.metric_t.size), np.nan)
                 view.epsilon[rank, col] = [_num(r.get("epsilon")) for r in rows]
+            for name in rows[0].get("hyper") or {}:
+                view.hyper[name] = np.full((n, view.metric_t.size), np.nan)
+                view.hyper[name][rank, col] = [_num((r.get("hyper") or {}).get(name)) for r in rows]
 
 
 def _read_consensus(view: RunView) -> None:
@@ -630,6 +634,8 @@ def summary_text(view: RunView) -> str:
                      f"own models {fmt(lt.get('mean_own_acc'))}, consensus {fmt(lt.get('mean_consensus_acc'))}")
     if s is not None and s.privacy:
         lines.append(privacy_text(s.privacy))
+    if s is not None and s.pbt:
+        lines.append(pbt_text(s.pbt))
     if s is not None and s.time_split:
         lines.append(f"wall time {fmt(s.wall_time)} s: " + wall_split_text(s.time_split))
     return "\n".join(lines)
@@ -642,6 +648,18 @@ def privacy_text(dp: dict) -> str:
     return (f"privacy: epsilon {fmt(dp.get('epsilon_max'))} at delta {dp.get('delta')}{target}, worst replica; "
             f"noise multiplier {fmt(min(sigmas)) if sigmas else '?'}, clipping {dp.get('max_grad_norm')}, "
             f"{dp.get('sampling')} sampling, {dp.get('noise')} noise")
+
+
+def pbt_text(record: dict) -> str:
+    """summary.json's pbt in one line: each learnt value's final median, and per community where there are several."""
+    parts = []
+    groups = record.get("per_community") or {}
+    for name, median in (record.get("median") or {}).items():
+        text = f"{name} {fmt(median, 3)}"
+        if len(groups) > 1:
+            text += " (" + ", ".join(f"c{c}: {fmt(g[name]['median'], 3)}" for c, g in groups.items()) + ")"
+        parts.append(text)
+    return "pbt: final medians " + "; ".join(parts)
 
 
 def mode_text(mode: dict) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -39,7 +41,7 @@ def runs(tmp_path_factory):
         # a linear range from 0: explore keeps 0 at 0 (0 times any factor, inside the range)
         "frozen": Job(config, root / "frozen", [f"world_size={N}", *PBT, frozen, "model.init=per_rank",
                                                 "pbt.params.train.lr={low: 0.0, high: 0.3, scale: linear}",
-                                                "train.budget=20"]),
+                                                "train.budget=20", "logging.tensorboard=true"]),
     }
     res = run_batch(2, jobs, timeout=500, check=False)
     for name, r in res.items():
@@ -117,3 +119,19 @@ def test_async_adopts_inside_the_exchange(runs):
     lr0 = [r["hyper"]["train.lr"] for r in rows if r["rank"] == 0]
     assert lr0[0] == 0.0 and lr0[-1] > 0.0
     assert any(r["event"] == "adopt" and r["i"] == 0 for r in _rows(runs["async"], "merges.jsonl"))
+
+
+def test_tensorboard_and_inspect_show_the_learnt_values(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs["frozen"] / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    alphas = [r for r in _rows(runs["frozen"], "metrics.jsonl") if r["t"] == 20]
+    assert scalars["pbt/merge.alpha_max"][20] == pytest.approx(max(r["hyper"]["merge.alpha"] for r in alphas))
+    assert set(scalars["pbt/train.lr_median"].values()) == {0.0}
+    out = subprocess.run([sys.executable, "-m", "communities", "inspect", str(runs["pbt"]), "--last"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pbt: final medians merge.alpha" in out.stdout
+    assert (runs["pbt"] / "report" / "hyperparameters.png").stat().st_size > 10_000
