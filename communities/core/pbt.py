@@ -58,6 +58,17 @@ def draw(space: Space, rng: np.random.Generator) -> np.ndarray:
     return space.clip(out)
 
 
+def first_values(space: Space, seed: int, replica: int, start: Optional[Mapping[str, float]] = None) -> np.ndarray:
+    """Replica ``replica``'s first values: a draw from its own counter-keyed stream (so any rank can compute any
+    replica's), with the values ``start`` gives replacing the draw's."""
+    from .protocol import Purpose, rng
+
+    values = draw(space, rng(seed, Purpose.PBT_DRAW, 0, replica))
+    for name, value in (start or {}).items():
+        values[space.names.index(name)] = float(value)
+    return values
+
+
 def explore(space: Space, values: np.ndarray, rng: np.random.Generator, factors: Sequence[float],
             resample: float = 0.0) -> np.ndarray:
     """PBT's explore: each value multiplied by one of ``factors`` (uniformly), or with probability ``resample``

@@ -25,13 +25,8 @@ _GROUP_KEYS = {"train.lr": ("lr", None), "train.momentum": ("momentum", None),
 
 
 def initial(cfg: "Config", replica: int) -> np.ndarray:
-    """Replica ``replica``'s first values: drawn from its own stream, so any rank can compute any replica's; the
-    values ``pbt.start`` gives it replace the draw's."""
-    space = pbt.Space.of(cfg.pbt.params)
-    values = pbt.draw(space, protocol.rng(cfg.seed, protocol.Purpose.PBT_DRAW, 0, replica))
-    for name, value in cfg.pbt.start.get(int(replica), {}).items():
-        values[space.names.index(name)] = float(value)
-    return values
+    """Replica ``replica``'s first values (``pbt.first_values``: its own draw, or what ``pbt.start`` gives it)."""
+    return pbt.first_values(pbt.Space.of(cfg.pbt.params), cfg.seed, replica, cfg.pbt.start.get(int(replica)))
 
 
 def initial_lams(cfg: "Config", n: int) -> Optional[np.ndarray]:
@@ -48,11 +43,7 @@ def _initial_lams(seed: int, pbt_json: str, n: int) -> np.ndarray:
     pc = PbtConfig.model_validate_json(pbt_json)
     space = pbt.Space.of(pc.params)
     k = space.index("merge.lam")
-    lams = np.array([pbt.draw(space, protocol.rng(seed, protocol.Purpose.PBT_DRAW, 0, i))[k] for i in range(n)],
-                    dtype=np.float64)
-    for replica, values in pc.start.items():
-        if "merge.lam" in values and replica < n:
-            lams[replica] = float(values["merge.lam"])
+    lams = np.array([pbt.first_values(space, seed, i, pc.start.get(i))[k] for i in range(n)], dtype=np.float64)
     return lams
 
 
@@ -61,7 +52,7 @@ class Hyperparameters:
 
     def __init__(self, cfg: "Config", rank: int, n: Optional[int] = None):
         late = [r for r in cfg.pbt.start if n is not None and r >= n]
-        if late:
+        if late and n is not None:
             raise ConfigError(f"pbt.start names replica {late[0]}, but the run has {n} replicas (0..{n - 1})")
         self.cfg, self.rank = cfg, int(rank)
         self.space = pbt.Space.of(cfg.pbt.params)

@@ -13,6 +13,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ..core import pbt
 from ..errors import DataError
 from . import data, models, plugins
 
@@ -61,7 +62,22 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
                  f"{len(sample)} test examples gave ({len(sample)}, {ds.n_classes}) logits")
     if cfg.privacy.enabled:
         lines.append(_privacy_line(cfg, model, ds, sizes))
+    if cfg.pbt.enabled:
+        lines.append(_pbt_line(cfg, world_size))
     return lines
+
+
+def _pbt_line(cfg, world_size: Optional[int]) -> str:
+    """What the replicas start from (pbt): each learnable value's range over the first draws."""
+    pc = cfg.pbt
+    space = pbt.Space.of(pc.params)
+    n = world_size or 16
+    first = np.array([pbt.first_values(space, cfg.seed, i, pc.start.get(i)) for i in range(n)])
+    spans = ", ".join(f"{name} {first[:, k].min():.3g} to {first[:, k].max():.3g} "
+                      f"({'log-uniform' if space.log[k] else 'uniform'} in [{space.low[k]:g}, {space.high[k]:g}])"
+                      for k, name in enumerate(space.names))
+    return (f"pbt: the first values of {n} replicas" + ("" if world_size else " (pass --world-size N for yours)")
+            + f": {spans}; adoption at most every {pc.ready} units, perturbed by {pc.factors}")
 
 
 def _privacy_line(cfg, model, ds, sizes: Optional[List[int]]) -> str:
