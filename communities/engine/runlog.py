@@ -360,6 +360,12 @@ def print_summary(s: Summary, run_dir: Path) -> None:
         lines.append(f"privacy                  epsilon {eps:.3g} (worst replica) at delta {dp['delta']:g}, "
                      f"{dp['sampling']} sampling, clipping {dp['max_grad_norm']:g}" if eps is not None else
                      "privacy                  epsilon inf (no noise): nothing is protected")
+    if s.pbt:
+        groups = s.pbt.get("per_community") or {}
+        lines.append("learnt (pbt, medians)    " + "; ".join(
+            f"{name} {median:.3g}" + (" (" + ", ".join(f"c{c} {g[name]['median']:.3g}" for c, g in groups.items())
+                                      + ")" if len(groups) > 1 else "")
+            for name, median in s.pbt["median"].items()))
     lines += [f"wall time                {s.wall_time:.1f}s: {split}", f"results                  {run_dir}"]
     for line in lines:
         log.info(line)
