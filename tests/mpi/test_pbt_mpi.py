@@ -38,6 +38,8 @@ def runs(tmp_path_factory):
     frozen = "pbt.start={" + ", ".join(f"{r}: {{train.lr: 0.0}}" for r in range(N)) + "}"
     jobs = {
         "pbt": Job(config, root / "pbt", [f"world_size={N}", *PBT, *LR0, *CHECKPOINTED]),
+        "stacked": Job(config, root / "stacked", [f"world_size={N}", *PBT, *LR0, "train.vectorize=on",
+                                                  "train.budget=20"]),
         # a linear range from 0: explore keeps 0 at 0 (0 times any factor, inside the range)
         "frozen": Job(config, root / "frozen", [f"world_size={N}", *PBT, frozen, "model.init=per_rank",
                                                 "pbt.params.train.lr={low: 0.0, high: 0.3, scale: linear}",
@@ -59,15 +61,17 @@ def runs(tmp_path_factory):
                           "async": asynchronous}, timeout=500, check=False)
     for name, r in again.items():
         assert r.returncode == 0, (name, r.stderr[-3000:])
-    return {"config": config, "pbt": run, "frozen": root / "frozen" / "tiny", "resumed": resumed,
-            "async": root / "async" / "tiny"}
+    return {"config": config, "pbt": run, "stacked": root / "stacked" / "tiny", "frozen": root / "frozen" / "tiny",
+            "resumed": resumed, "async": root / "async" / "tiny"}
 
 
-def test_a_replica_started_at_lr_0_adopts_and_trains(runs):
-    rows = _rows(runs["pbt"], "metrics.jsonl")
+@pytest.mark.parametrize("run", ["pbt", "stacked"])
+def test_a_replica_started_at_lr_0_adopts_and_trains(runs, run):
+    """The sequential path, and the stacked one (train.vectorize: each replica steps with its own lr)."""
+    rows = _rows(runs[run], "metrics.jsonl")
     lr0 = [r["hyper"]["train.lr"] for r in rows if r["rank"] == 0]
     assert lr0[0] == 0.0 and lr0[-1] > 0.0  # it started frozen and ends training
-    adoptions = [r for r in _rows(runs["pbt"], "merges.jsonl") if r["event"] == "adopt"]
+    adoptions = [r for r in _rows(runs[run], "merges.jsonl") if r["event"] == "adopt"]
     mine = [r for r in adoptions if r["i"] == 0]
     assert mine, "replica 0 never adopted"
     first = mine[0]
@@ -75,7 +79,7 @@ def test_a_replica_started_at_lr_0_adopts_and_trains(runs):
     # every row carries every learnable value, in range once adopted
     assert all(set(r["hyper"]) == {"train.lr", "merge.lam", "merge.alpha"} for r in rows)
     assert all(0.3 <= r["hyper"]["merge.alpha"] <= 0.5 for r in rows)
-    summary = json.loads((runs["pbt"] / "summary.json").read_text())["pbt"]
+    summary = json.loads((runs[run] / "summary.json").read_text())["pbt"]
     assert summary["names"] == ["merge.alpha", "merge.lam", "train.lr"] and len(summary["per_replica"]) == N
     assert all(0.01 <= v[2] <= 0.3 for v in summary["per_replica"])  # every replica ends training, in range
     assert summary["per_community"]
