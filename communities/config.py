@@ -704,8 +704,6 @@ class Config(_Section):
             why = f"pbt.params.train.beta1/beta2 with train.optimizer={self.train.optimizer!r} (the betas are AdamW's)"
         elif "merge.alpha" in pc.params and self.merge.rule not in ("constant", "clock", "loss"):
             why = f"pbt.params.merge.alpha with merge.rule={self.merge.rule!r} (the rule does not use merge.alpha)"
-        elif "merge.lam" in pc.params and self.strategy == "ring":
-            why = "pbt.params.merge.lam with strategy='ring' (the ring merges every unit; it has no merge timers)"
         elif "train.momentum" in pc.params and self.train.nesterov and pc.params["train.momentum"].low <= 0:
             why = "pbt.params.train.momentum from 0 with train.nesterov=true (Nesterov needs a momentum > 0)"
         late = [r for r in pc.start if self.world_size is not None and r >= self.world_size]

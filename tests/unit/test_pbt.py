@@ -158,7 +158,7 @@ def test_per_replica_merge_timers_fire_at_each_replicas_own_rate_and_agree():
 @pytest.mark.parametrize("extra,key", [
     ({"strategy": "allreduce"}, "strategy='allreduce'"),
     ({"data": {"local_test_fraction": 0.0}}, "data.local_test_fraction"),
-    ({"strategy": "ring"}, "merge.lam"),
+    ({"privacy": {"enabled": True, "epsilon": 8.0}}, "privacy.enabled"),
     ({"merge": {"rule": "ema"}}, "merge.alpha"),
     ({"train": {"optimizer": "adamw"}}, "train.momentum"),
 ])
