@@ -186,6 +186,9 @@ class OuterConfig(_Section):
 class MergeConfig(_Section):
     lam: float = Field(2.0, ge=1, description="mean units between a rank's merges; K ~ 1 + Poisson(lam - 1)")
     period: int = Field(4, ge=1, description="units between global averages (strategy local_sgd, diloco)")
+    average_every: int = Field(0, ge=0, description="pairwise strategies: an exact global average (Allreduce "
+                               "mean) every this many units besides the merges (Gossip-PGA, Chen et al. 2021; "
+                               "0: none)")
     rule: Literal["constant", "clock", "loss", "ema", "swap"] = "constant"
     alpha: float = Field(0.5, ge=0, le=1, description="interpolation weight a for constant/clock/loss")
     ema: Schedule = Schedule(start=0.1, end=0.5, shape="linear", horizon=100)
@@ -245,6 +248,11 @@ class ClusteringConfig(_Section):
 
 class PartnerConfig(_Section):
     law: Literal["flat", "hierarchical"] = "flat"
+    schedule: Literal["law", "hypercube"] = Field(
+        "law", description="law: merges fire by each rank's merge clock, partners drawn from the law; hypercube: "
+        "every unit every rank merges with its one-peer hypercube partner (position p XOR 2^(t mod log2 m)) inside "
+        "its community, or, with probability p_cross(t) for the whole unit, inside the whole world (gossip: "
+        "always the world): the exact mean of 2^k ranks in k units (Ying et al. 2021)")
     p_intra: float = Field(1.0, gt=0)
     p_cross: Schedule = Schedule(start=0.02, end=1.0, shape="cosine", horizon=100)
     temperature: Schedule = Schedule(start=0.05, end=20.0, shape="exp", horizon=100)
@@ -681,6 +689,29 @@ class Config(_Section):
                    "different masks)")
         if why is not None:
             raise ValueError(f"privacy.enabled=true is refused with {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _mixing(self):
+        """The exact-averaging options ask every rank to mix at the same unit: the virtual clock's pairwise runs."""
+        schedule, every = self.partners.schedule, self.merge.average_every
+        if schedule == "hypercube":
+            if self.strategy not in ("community", "gossip"):
+                raise ValueError(f"partners.schedule='hypercube' is a schedule for strategy community or gossip, "
+                                 f"not strategy={self.strategy!r}")
+            if self.protocol != "virtual_clock":
+                raise ValueError("partners.schedule='hypercube' needs protocol='virtual_clock' (every rank takes "
+                                 "its stage at the same unit)")
+            if self.merge.partner_policy != "law":
+                raise ValueError(f"partners.schedule='hypercube' fixes every partner; merge.partner_policy="
+                                 f"{self.merge.partner_policy!r} would have nothing to choose")
+        if every:
+            if self.strategy not in PAIRWISE:
+                raise ValueError(f"merge.average_every={every} adds global averages to the pairwise strategies "
+                                 f"({', '.join(PAIRWISE)}); strategy={self.strategy!r} has merge.period")
+            if self.protocol != "virtual_clock":
+                raise ValueError(f"merge.average_every={every} needs protocol='virtual_clock' (an Allreduce every "
+                                 "rank enters at the same unit)")
         return self
 
     @model_validator(mode="after")

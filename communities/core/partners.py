@@ -8,7 +8,7 @@ Both exclude i itself and become uniform gossip as p_cross -> p_intra or T -> in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -143,6 +143,29 @@ def uniform_probabilities(n: int, i: int) -> np.ndarray:
 def ring_partner(i: int, n: int, t: int) -> int:
     """Ring neighbour, alternating right and left with t so information flows both ways."""
     return (i + 1) % n if t % 2 == 0 else (i - 1) % n
+
+
+def hypercube_pairs(groups: Sequence[Sequence[int]], stage: int) -> List[Tuple[int, int]]:
+    """One stage of the one-peer hypercube schedule inside each group (Ying et al. 2021): the member at position p
+    of a group of m pairs with position ``p XOR 2^b``, b = stage mod ceil(log2 m), where that position exists.
+
+    Every rank is in at most one pair, so a stage is a matching (deadlock-free in any order). Averaging each pair
+    (merge weight 0.5) over any ceil(log2 m) consecutive stages gives a group of m = 2^k members its exact mean;
+    other sizes leave the members past the last power of two unpaired at some stages (mixing, not exact).
+    Pairs are (lower rank, higher rank), sorted.
+    """
+    pairs: List[Tuple[int, int]] = []
+    for members in groups:
+        ranks = sorted(int(r) for r in members)
+        m = len(ranks)
+        if m < 2:
+            continue
+        bit = 1 << (int(stage) % max(1, (m - 1).bit_length()))
+        for p in range(m):
+            q = p ^ bit
+            if p < q < m:
+                pairs.append((ranks[p], ranks[q]))
+    return sorted(pairs)
 
 
 def draw(probabilities: np.ndarray, rng: np.random.Generator) -> int:

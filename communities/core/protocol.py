@@ -33,6 +33,7 @@ class Purpose(IntEnum):
     DP_NOISE = 11  # privacy.noise=seeded: a unit's DP-SGD noise
     PBT_DRAW = 12  # pbt: a replica's first hyperparameters
     PBT_EXPLORE = 13  # pbt: the perturbation of hyperparameters a replica adopts
+    HYPERCUBE = 14  # partners.schedule hypercube: whether a unit's stage spans the whole world
 
 
 Exchange = Tuple[int, int]  # (initiator, partner)

@@ -173,6 +173,9 @@ class Gossip(Strategy):
         mixer.agreement.update(plan)
         for partner, (initiator, _) in by_rank.get(mixer.rank, ()):
             mixer.exchange(t, partner, initiator)
+        every = self.cfg.merge.average_every
+        if every and t % every == 0:  # Gossip-PGA: an exact global average besides the merges
+            mixer.average(t)
 
     def _fire(self, t: int) -> tuple:
         """(the ranks whose timer fires at t, their timers re-armed)."""
@@ -181,7 +184,10 @@ class Gossip(Strategy):
 
     def _plan(self, t: int, initiators: np.ndarray, unavailable: np.ndarray) -> tuple:
         """(unit t's exchange list as an (E, 2) array, {rank: its (partner, exchange) in list order})."""
-        plan = self.exchanges(t, initiators, unavailable)
+        if self.cfg.partners.schedule == "hypercube":
+            plan = self.hypercube(t, unavailable)
+        else:
+            plan = self.exchanges(t, initiators, unavailable)
         by_rank: Dict[int, list] = {}
         for i, j in plan:
             by_rank.setdefault(i, []).append((j, (i, j)))
@@ -200,6 +206,21 @@ class Gossip(Strategy):
 
     def law(self, t: int) -> Optional[Law]:
         return Law("uniform", self.n)
+
+    def groups(self, t: int) -> Optional[List[List[int]]]:
+        """partners.schedule hypercube: the groups whose members pair at unit t (gossip: the whole world)."""
+        return [list(range(self.n))]
+
+    def hypercube(self, t: int, unavailable: Optional[np.ndarray] = None) -> List[protocol.Exchange]:
+        """Unit t's stage of the one-peer hypercube inside each group; pairs touching an unavailable rank
+        (a robust outlier, a lost rank) are left out. The pair's lower rank is its initiator."""
+        groups = self.groups(t)
+        if groups is None:
+            return []
+        pairs = partners.hypercube_pairs(groups, t)
+        if unavailable is not None and unavailable.any():
+            pairs = [(i, j) for i, j in pairs if not unavailable[i] and not unavailable[j]]
+        return pairs
 
     def probabilities(self, law: Law) -> Callable[[int], np.ndarray]:
         """P(j | i) under ``law``, weighted by the staleness bias when there is one."""
@@ -286,6 +307,19 @@ class Community(Gossip):
         if self._heights is None:
             self._heights = partners.cophenetic_heights(self.communities.Z)
         return Law("hierarchical", self.n, heights=self._heights, temperature=schedule.evaluate(pc.temperature, t))
+
+    def groups(self, t: int) -> Optional[List[List[int]]]:
+        """The hypercube's groups at unit t: the communities (frozen, or the latest round's); with probability
+        p_cross(t) for the whole unit (one draw every rank makes alike) the whole world, unless frozen."""
+        labels = self.frozen if self.frozen is not None else (
+            None if self.communities is None else self.communities.labels)
+        if labels is None:
+            return None
+        if self.frozen is None:
+            p = schedule.evaluate(self.cfg.partners.p_cross, t) / self.cfg.partners.p_intra
+            if protocol.rng(self.cfg.seed, protocol.Purpose.HYPERCUBE, t, 0).random() < p:
+                return [list(range(self.n))]
+        return [np.flatnonzero(labels == c).tolist() for c in np.unique(labels)]
 
     def annealed(self, t: int) -> bool:
         if self.frozen is not None:
