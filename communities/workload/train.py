@@ -142,14 +142,19 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> Tuple[float, float]:
-    """(accuracy, mean cross-entropy) on (x, y)."""
+    """(accuracy, mean cross-entropy) on (x, y), in eval mode; the model's mode is restored after (a score taken
+    between batches, as pbt's under protocol async, must not leave dropout or batch norm in eval mode)."""
+    was = model.training
     model.eval()
     total_loss = 0.0
     correct = 0
-    for lo in range(0, len(y), batch_size):
-        out = model(x[lo: lo + batch_size])
-        yb = y[lo: lo + batch_size]
-        total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
-        correct += int((out.argmax(1) == yb).sum())
+    try:
+        for lo in range(0, len(y), batch_size):
+            out = model(x[lo: lo + batch_size])
+            yb = y[lo: lo + batch_size]
+            total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    finally:
+        model.train(was)
     n = max(len(y), 1)
     return correct / n, total_loss / n

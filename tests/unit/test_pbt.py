@@ -193,3 +193,16 @@ def test_a_dotted_override_reaches_a_learnable_key():
                                           "pbt.params.merge.lam={low: 1, high: 3, scale: linear}"])
     cfg = config_mod.from_dict(raw)
     assert cfg.pbt.params["train.lr"].low == 0.01 and cfg.pbt.params["merge.lam"].high == 3
+
+
+def test_a_score_taken_between_batches_leaves_the_model_in_training_mode():
+    """pbt scores a replica at each exchange; under async that is between two batches of a unit."""
+    from communities.workload import train
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3))
+    model.train()
+    train.evaluate(model, torch.randn(10, 4), torch.randint(0, 3, (10,)))
+    assert model.training
+    model.eval()
+    train.evaluate(model, torch.randn(10, 4), torch.randint(0, 3, (10,)))
+    assert not model.training
