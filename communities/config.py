@@ -712,6 +712,9 @@ class Config(_Section):
             if self.protocol != "virtual_clock":
                 raise ValueError(f"merge.average_every={every} needs protocol='virtual_clock' (an Allreduce every "
                                  "rank enters at the same unit)")
+            if self.consensus.mode != "global":
+                raise ValueError(f"merge.average_every={every} averages the whole world: it would undo "
+                                 f"consensus.mode={self.consensus.mode!r}'s community models")
         return self
 
     @model_validator(mode="after")
