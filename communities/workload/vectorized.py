@@ -345,13 +345,7 @@ class StackedTrainer:
         assert self.second is not None
         beta1, beta2 = (float(b) for b in cfg.betas)
         eps = float(self._groups[0]["eps"])
-        act = torch.ones(self.R, dtype=torch.bool, device=w.device) if active is None else active
-        self.momentum[~self.has_state] = 0
-        self.second[~self.has_state] = 0
-        self.step[~self.has_state] = 0
-        self.step += act.double()
-        self._set_has(active)
-        step = self.step.clamp(min=1)
+        step = self._adamw_count(active)
         bc1 = 1 - beta1 ** step
         bc2_sqrt = (1 - beta2 ** step).sqrt()
         step_size = (cfg.lr / bc1).to(w.dtype)[:, None]
@@ -386,12 +380,7 @@ class StackedTrainer:
             return
         assert self.second is not None
         eps = float(self._groups[0]["eps"])
-        self.momentum[~self.has_state] = 0
-        self.second[~self.has_state] = 0
-        self.step[~self.has_state] = 0
-        self.step += act.double()
-        self._set_has(active)
-        step = self.step.clamp(min=1)
+        step = self._adamw_count(active)
         bc1 = 1 - rows.beta1.pow(step)
         bc2_sqrt = (1 - rows.beta2.pow(step)).sqrt()
         step_size = (rows.lr / bc1).to(dt)[:, None]
@@ -405,6 +394,18 @@ class StackedTrainer:
         self._put(self.momentum, m, active)
         self._put(self.second, v, active)
         self._put(w, new_w, active)
+
+    def _adamw_count(self, active: Optional[torch.Tensor]) -> torch.Tensor:
+        """AdamW's bookkeeping before a step: rows without state start from zero moments and step 0, every active
+        row counts one more step; returns each row's step count (at least 1, for the bias corrections)."""
+        assert self.second is not None
+        act = torch.ones(self.R, dtype=torch.bool, device=self.step.device) if active is None else active
+        self.momentum[~self.has_state] = 0
+        self.second[~self.has_state] = 0
+        self.step[~self.has_state] = 0
+        self.step += act.double()
+        self._set_has(active)
+        return self.step.clamp(min=1)
 
     @staticmethod
     def _put(dst: torch.Tensor, src: torch.Tensor, active: Optional[torch.Tensor]) -> None:
