@@ -19,6 +19,8 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .protocol import Purpose, rng
+
 
 @dataclass(frozen=True)
 class Space:
@@ -61,8 +63,6 @@ def draw(space: Space, rng: np.random.Generator) -> np.ndarray:
 def first_values(space: Space, seed: int, replica: int, start: Optional[Mapping[str, float]] = None) -> np.ndarray:
     """Replica ``replica``'s first values: a draw from its own counter-keyed stream (so any rank can compute any
     replica's), with the values ``start`` gives replacing the draw's."""
-    from .protocol import Purpose, rng
-
     values = draw(space, rng(seed, Purpose.PBT_DRAW, 0, replica))
     for name, value in (start or {}).items():
         values[space.names.index(name)] = float(value)

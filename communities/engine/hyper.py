@@ -52,13 +52,12 @@ class Hyperparameters:
 
     def __init__(self, cfg: "Config", rank: int, n: Optional[int] = None):
         late = [r for r in cfg.pbt.start if n is not None and r >= n]
-        if late and n is not None:
+        if late:
             raise ConfigError(f"pbt.start names replica {late[0]}, but the run has {n} replicas (0..{n - 1})")
         self.cfg, self.rank = cfg, int(rank)
         self.space = pbt.Space.of(cfg.pbt.params)
         self.values = initial(cfg, rank)
         self.adopted_t = 0  # the unit of the latest adoption (0: the start)
-        self.adoptions = 0
 
     @property
     def names(self):
@@ -93,16 +92,16 @@ class Hyperparameters:
         self.values = pbt.explore(self.space, np.asarray(theirs, dtype=np.float64),
                                   protocol.rng(self.cfg.seed, protocol.Purpose.PBT_EXPLORE, t, self.rank),
                                   pc.factors, pc.resample)
-        self.adopted_t, self.adoptions = int(t), self.adoptions + 1
+        self.adopted_t = int(t)
         self.apply(opt)
 
     def state_dict(self) -> dict:
         return {"values": torch.from_numpy(self.values.copy()), "adopted_t": self.adopted_t,
-                "adoptions": self.adoptions, "names": list(self.names)}
+                "names": list(self.names)}
 
     def load_state_dict(self, state: dict, opt: torch.optim.Optimizer) -> None:
         if list(state["names"]) != list(self.names):
             raise ValueError(f"its pbt hyperparameters are {list(state['names'])}; this run's are {list(self.names)}")
         self.values = state["values"].numpy().astype(np.float64).copy()
-        self.adopted_t, self.adoptions = int(state["adopted_t"]), int(state["adoptions"])
+        self.adopted_t = int(state["adopted_t"])
         self.apply(opt)

@@ -85,6 +85,17 @@ def test_a_replica_started_at_lr_0_adopts_and_trains(runs, run):
     assert summary["per_community"]
 
 
+def test_the_stacked_path_trains_each_replica_with_its_own_lr(runs):
+    """Before the first merge (the first round is at t=5) the stacked run's training losses are the sequential
+    run's, replica 0 (lr 0) included: had the stacked step used the config's lr, replica 0 would have trained."""
+    def losses(run):
+        return {(r["t"], r["rank"]): r["loss"] for r in _rows(runs[run], "metrics.jsonl") if r["t"] <= 4}
+
+    seq, stacked = losses("pbt"), losses("stacked")
+    assert seq.keys() == stacked.keys() and len(seq) == 4 * N
+    assert all(abs(seq[k] - stacked[k]) < 1e-4 for k in seq), {k: (seq[k], stacked[k]) for k in seq}
+
+
 def test_adoption_is_rate_limited_by_ready(runs):
     adoptions = [r for r in _rows(runs["pbt"], "merges.jsonl") if r["event"] == "adopt"]
     by_replica: dict = {}

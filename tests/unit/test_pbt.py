@@ -119,7 +119,7 @@ def test_hyperparameters_act_on_the_optimizer_adopt_and_round_trip():
     assert not h.ready(2) and h.ready(3)
     other = np.array([0.4, 3.0, 0.2, 0.8])
     h.adopt(5, other, opt)
-    assert h.adopted_t == 5 and h.adoptions == 1 and not h.ready(7) and h.ready(8)
+    assert h.adopted_t == 5 and not h.ready(7) and h.ready(8)
     ratio = h.values / other
     assert all(math.isclose(r, 0.8) or math.isclose(r, 1.25) or v in (lo, hi)
                for r, v, lo, hi in zip(ratio, h.values, h.space.low, h.space.high))
