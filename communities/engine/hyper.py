@@ -52,7 +52,7 @@ class Hyperparameters:
 
     def __init__(self, cfg: "Config", rank: int, n: Optional[int] = None):
         late = [r for r in cfg.pbt.start if n is not None and r >= n]
-        if late:
+        if late and n is not None:  # (n again for the type checker)
             raise ConfigError(f"pbt.start names replica {late[0]}, but the run has {n} replicas (0..{n - 1})")
         self.cfg, self.rank = cfg, int(rank)
         self.space = pbt.Space.of(cfg.pbt.params)
