@@ -69,8 +69,28 @@ class SyntheticData(_Section):
     noise: float = Field(1.0, ge=0)
 
 
+class LmData(_Section):
+    """The language-model corpora's settings (data.dataset: pystdlib, text, tokens)."""
+
+    context: int = Field(64, ge=2, le=65_536, description="tokens per example window (the model's context)")
+    max_bytes: Optional[int] = Field(
+        None, ge=1024, description="pystdlib and text: at most this many training bytes, each domain cut to its share "
+        "(none: the whole corpus)")
+    test_windows: Optional[int] = Field(
+        256, ge=1, description="at most this many held-out windows, evenly spaced (what every evaluation scores; "
+        "none: all of them)")
+    vocab: Optional[int] = Field(None, ge=2, le=65_536, description="tokens: the vocabulary size (none: the largest "
+                                 "id in the files, plus one)")
+    bytes_per_token: Optional[float] = Field(
+        None, gt=0, description="tokens: the corpus's mean bytes per token, for bits per byte (none: not reported)")
+
+
+LM_DATASETS = ("pystdlib", "text", "tokens")
+
+
 class DataConfig(_Section):
-    dataset: str = Field("digits", description="digits | mnist1d | synthetic | module:function (docs/plugins.md)")
+    dataset: str = Field("digits", description="digits | mnist1d | synthetic | pystdlib | text | tokens | "
+                         "module:function (docs/plugins.md)")
     root: Optional[str] = Field(None, description="a directory of data on disk, passed to a module:function "
                                 "dataset as root= (e.g. torchvision's root); relative to the current directory")
     samples: Optional[int] = Field(
@@ -82,13 +102,16 @@ class DataConfig(_Section):
         "refuse", description="when the ranks' data differ at start-up (a dataset function that is not "
         "deterministic): refuse to train, naming the ranks; warn: train anyway, the consensus scored on rank 0's "
         "test split")
-    partition: Literal["iid", "dirichlet", "label_groups"] = "iid"
+    partition: Literal["iid", "dirichlet", "label_groups", "by_domain"] = Field(
+        "iid", description="iid | dirichlet | label_groups | by_domain (a text corpus: whole domains per group of "
+        "data.groups ranks)")
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition: dirichlet)")
     groups: int = Field(4, ge=1, description="planted groups of ranks (partition: label_groups)")
     purity: float = Field(1.0, ge=0, le=1, description="share of a rank's data drawn from its group's labels")
     test_fraction: float = Field(0.25, gt=0, lt=1, description="held-out share for datasets without a test split")
     standardize: bool = True
     synthetic: SyntheticData = SyntheticData()
+    lm: LmData = LmData()
     local_test_fraction: float = Field(
         0.0, ge=0, lt=1, description="share of each rank's own shard held out (seeded per rank) as its local "
         "validation/test data, on which per-rank and per-community models are scored (0: none)")
@@ -98,15 +121,30 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _dataset_known(self):
-        if self.dataset not in ("digits", "mnist1d", "synthetic") and ":" not in self.dataset:
+        if self.dataset not in ("digits", "mnist1d", "synthetic") + LM_DATASETS and ":" not in self.dataset:
             raise ValueError(
-                f"data.dataset={self.dataset!r} is not one of digits, mnist1d, synthetic, "
+                f"data.dataset={self.dataset!r} is not one of digits, mnist1d, synthetic, pystdlib, text, tokens, "
                 "or a 'package.module:function' returning (x_train, y_train, x_test, y_test) (docs/plugins.md)"
             )
         if self.samples is not None and self.dataset != "mnist1d":
             hint = " (synthetic: data.synthetic.n_samples)" if self.dataset == "synthetic" else ""
             raise ValueError(f"data.samples={self.samples} sets the mnist1d generator's sample count: it needs "
                              f"data.dataset=mnist1d, not {self.dataset!r}{hint}")
+        lm = self.dataset in LM_DATASETS
+        if lm and self.partition not in ("iid", "by_domain"):
+            raise ValueError(f"data.partition={self.partition!r} does not apply to a text corpus "
+                             f"(data.dataset={self.dataset!r}): iid or by_domain")
+        if not lm and self.partition == "by_domain":
+            raise ValueError(f"data.partition='by_domain' splits a text corpus by its domains: it needs data.dataset "
+                             f"pystdlib, text or tokens, not {self.dataset!r}")
+        if lm and self.shift != "none":
+            raise ValueError(f"data.shift={self.shift!r} transforms images and labels; a text corpus "
+                             f"(data.dataset={self.dataset!r}) has planted groups through data.partition=by_domain")
+        if self.dataset in ("text", "tokens") and self.root is None:
+            raise ValueError(f"data.dataset={self.dataset!r} reads its files from data.root, which is not set")
+        if self.dataset != "tokens" and (self.lm.vocab is not None or self.lm.bytes_per_token is not None):
+            raise ValueError("data.lm.vocab and data.lm.bytes_per_token describe a token corpus (data.dataset=tokens); "
+                             f"data.dataset={self.dataset!r} is bytes")
         if self.shift != "none":
             if self.groups < 2:
                 raise ValueError(f"data.shift={self.shift!r} transforms planted groups of ranks: it needs "
@@ -118,8 +156,22 @@ class DataConfig(_Section):
         return self
 
 
+class GptModel(_Section):
+    """model.name gpt: a decoder-only transformer (its context is data.lm.context, its vocabulary the corpus's)."""
+
+    layers: int = Field(4, ge=1)
+    heads: int = Field(4, ge=1)
+    embed: int = Field(128, ge=1, description="the residual stream's width; a multiple of heads")
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.embed % self.heads:
+            raise ValueError(f"model.gpt.embed={self.embed} must be a multiple of model.gpt.heads={self.heads}")
+        return self
+
+
 class ModelConfig(_Section):
-    name: str = Field("mlp", description="mlp | cnn1d | module:function")
+    name: str = Field("mlp", description="mlp | cnn1d | gpt | module:function")
     hidden: List[int] = Field(default_factory=lambda: [64])
     channels: int = Field(25, ge=1, description="cnn1d channels")
     batchnorm: bool = False
@@ -127,11 +179,12 @@ class ModelConfig(_Section):
     init: Literal["shared", "per_rank"] = Field(
         "shared", description="shared: rank 0's weights broadcast; per_rank: each rank its own (tests)"
     )
+    gpt: GptModel = GptModel()
 
     @model_validator(mode="after")
     def _model_known(self):
-        if self.name not in ("mlp", "cnn1d") and ":" not in self.name:
-            raise ValueError(f"model.name={self.name!r} is not one of mlp, cnn1d, or a 'module:function'")
+        if self.name not in ("mlp", "cnn1d", "gpt") and ":" not in self.name:
+            raise ValueError(f"model.name={self.name!r} is not one of mlp, cnn1d, gpt, or a 'module:function'")
         if any(h < 1 for h in self.hidden):
             raise ValueError(f"model.hidden={self.hidden} must hold positive layer widths")
         return self
@@ -152,6 +205,12 @@ class TrainConfig(_Section):
         None, gt=0, description="seconds of wall clock: under protocol async each rank stops training after this "
         "long; under the virtual clock every rank stops at the first signature round past it (null: none)")
     eval_every: int = Field(10, ge=1, description="units between test evaluations")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="the learning rate over the budget: constant, or cosine decay to min_lr x lr at the "
+        "last unit (after the warmup)")
+    warmup: float = Field(0.0, ge=0, lt=1, description="share of the budget over which the learning rate rises "
+                          "linearly from 0 (any schedule)")
+    min_lr: float = Field(0.1, ge=0, le=1, description="schedule cosine: the final learning rate, as a share of lr")
     eval_samples: Optional[int] = Field(
         None, ge=1, description="each replica's own test evaluations use the first this many examples of the test "
         "split (null: all of it); the consensus model is always scored on the whole split. For populations, "
@@ -745,6 +804,30 @@ class Config(_Section):
             why = f"pbt.start naming replica {late[0]} of world_size={self.world_size}"
         if why is not None:
             raise ValueError(f"pbt.enabled=true is refused with {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _language_model(self):
+        """A text corpus and the gpt model go together; what reads labels as classes is refused by name."""
+        lm = self.data.dataset in LM_DATASETS
+        if self.model.name == "gpt" and not lm:
+            raise ValueError(f"model.name='gpt' reads token windows: it needs data.dataset pystdlib, text or tokens, "
+                             f"not {self.data.dataset!r}")
+        if not lm:
+            return self
+        why = None
+        if self.model.name in ("mlp", "cnn1d"):
+            why = f"model.name={self.model.name!r} (a classifier of features; use gpt or a module:function model)"
+        elif self.privacy.enabled:
+            why = "privacy.enabled=true (per-example clipping of a sequence model is not built)"
+        elif self.examples.track or self.examples.pass_hard:
+            why = "examples.track (its per-example confidence is a classifier's)"
+        elif self.signature.kind in ("logits", "cka"):
+            why = f"signature.kind={self.signature.kind!r} (its probe is a classifier's; use a weight signature)"
+        elif self.train.vectorize == "on":
+            why = "train.vectorize=on (the stacked trainer is a classifier's; auto trains one replica after another)"
+        if why is not None:
+            raise ValueError(f"data.dataset={self.data.dataset!r} (a language model's corpus) is refused with {why}")
         return self
 
     @model_validator(mode="after")

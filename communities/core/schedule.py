@@ -1,7 +1,7 @@
 """Annealing schedules: a scalar that moves from ``start`` to ``end`` over a horizon.
 
-Used for p_cross(t), the partner temperature T(t), the community count k(t) and
-the ``ema`` merge weight a(t). Pure functions of t; no state, so every rank and a
+Used for p_cross(t), the partner temperature T(t), the community count k(t),
+the ``ema`` merge weight a(t) and the learning rate's warmup and decay. Pure functions of t; no state, so every rank and a
 resumed run compute the same value.
 """
 from __future__ import annotations
@@ -38,3 +38,17 @@ def evaluate(sched, t: float) -> float:
 def finished(sched, t: float) -> bool:
     """True once the schedule has reached its end value."""
     return sched.shape == "constant" or t >= sched.begin + sched.horizon
+
+
+def lr_factor(progress: float, kind: str = "constant", warmup: float = 0.0, floor: float = 0.1) -> float:
+    """The learning rate's share of its peak at ``progress`` (0 to 1) of the budget: a linear rise from 0 over the
+    first ``warmup``, then constant, or (``cosine``) a half cosine from 1 down to ``floor`` at the end."""
+    u = min(max(float(progress), 0.0), 1.0)
+    if u < warmup:
+        return u / warmup
+    if kind == "constant":
+        return 1.0
+    if kind != "cosine":
+        raise ValueError(f"unknown learning-rate schedule {kind!r}; expected constant or cosine")
+    v = (u - warmup) / (1.0 - warmup) if warmup < 1 else 1.0
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * v))

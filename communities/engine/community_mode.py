@@ -50,9 +50,11 @@ class MergeProbe:
         held = replica.data
         y = held.dataset.y_train
         n_classes = held.dataset.n_classes
-        counts = np.array(held.label_counts) if held.label_counts is not None else \
-            np.array([np.bincount(y[s.indices], minlength=n_classes) for s in held.shards])  # (a sharded reader's)
-        self.known = torch.as_tensor(conflict.known_classes(counts))  # (N, C)
+        self.known: Optional[torch.Tensor] = None  # a text corpus's: every partner knows every token
+        if not held.dataset.sequence:
+            counts = np.array(held.label_counts) if held.label_counts is not None else \
+                np.array([np.bincount(y[s.indices], minlength=n_classes) for s in held.shards])  # (a sharded reader's)
+            self.known = torch.as_tensor(conflict.known_classes(counts))  # (N, C)
         self.labels: Optional[np.ndarray] = None  # the candidate communities (set by CommunityMode)
         self.row = conflict.empty()
 
@@ -63,7 +65,10 @@ class MergeProbe:
     def merged(self, partner: int, before: torch.Tensor, a: float) -> None:
         """After a merge with ``partner`` (this rank's weights were ``before``, are now merged with weight a)."""
         r, held = self.replica, self.replica.data
-        mask = self.known[partner][held.y_local.cpu()].to(held.y_local.device)
+        if self.known is None:
+            mask = torch.ones(len(held.y_local), dtype=torch.bool, device=held.y_local.device)
+        else:
+            mask = self.known[partner][held.y_local.cpu()].to(held.y_local.device)
         n = int(mask.sum())
         if n == 0 or a <= 0:
             return  # the partner knows none of this rank's validation classes: nothing to learn from it

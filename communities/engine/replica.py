@@ -354,7 +354,9 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
                                                                           cfg.strategy == "allreduce"),
                                   ("protocol=async", cfg.protocol == "async"),
                                   ("privacy.enabled", cfg.privacy.enabled),
-                                  ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0))
+                                  ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0),
+                                  ("a learning-rate schedule (train.schedule, train.warmup)", train.scheduled(cfg.train)),
+                                  (f"data.dataset={cfg.data.dataset}", placed.dataset.sequence))
               if on]
     if inside:
         if mode == "on":
@@ -399,6 +401,6 @@ def _build_model(cfg: "Config", world: World, device: torch.device, placed: Repl
                                  seed=cfg.seed, device=device, n_classes=ds.n_classes)
     torch.manual_seed(models.init_seed(cfg.seed, world.rank, cfg.model.init))
     model = models.build(cfg.model, ds.input_shape, ds.n_classes).to(device)
-    models.check_output(model, placed.x_test[:4], ds.n_classes, cfg.model.name)
+    models.check_output(model, placed.x_test[:4], ds.n_classes, cfg.model.name, ds.sequence)
     flat, n_params = models.flatten_(model)
     return tracker, model, flat, n_params

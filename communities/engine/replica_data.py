@@ -65,8 +65,8 @@ class ReplicaData:
         own = np.asarray(self.shard.indices, dtype=np.int64)
         shard = data.Shard(np.concatenate([own] + extra), self.shard.group)
         idx = torch.as_tensor(shard.indices)
-        x = torch.as_tensor(self.dataset.x_train)[idx].to(self.x.device)
-        y = torch.as_tensor(self.dataset.y_train)[idx].to(self.y.device)
+        x = data.rows(self.dataset.x_train, idx).to(self.x.device)
+        y = data.rows(self.dataset.y_train, idx).to(self.y.device)
         log.warning(f"communities: rank {self.rank} adopts the shards of lost rank{'s' if len(ranks) > 1 else ''} "
                     f"{', '.join(map(str, ranks))}: {len(own)} -> {len(shard.indices)} training examples")
         return dataclasses.replace(self, shard=shard, x=x, y=y)
@@ -177,12 +177,13 @@ def _place(cfg: "Config", world: World, device: torch.device, ds: data.Dataset, 
     idx, local_idx = torch.as_tensor(shard.indices), torch.as_tensor(local)
     held = ReplicaData(
         ds, world.rank, shard, shards,
-        torch.as_tensor(ds.x_train)[idx].to(device), torch.as_tensor(ds.y_train)[idx].to(device),
-        torch.as_tensor(ds.x_test).to(device), torch.as_tensor(ds.y_test).to(device),
-        torch.as_tensor(ds.x_train)[local_idx].to(device), torch.as_tensor(ds.y_train)[local_idx].to(device),
+        data.rows(ds.x_train, idx).to(device), data.rows(ds.y_train, idx).to(device),
+        data.rows(ds.x_test, slice(None)).to(device), data.rows(ds.y_test, slice(None)).to(device),
+        data.rows(ds.x_train, local_idx).to(device), data.rows(ds.y_train, local_idx).to(device),
         label_counts, local_test_sizes, test_split)
-    log.debug(f"communities: rank {world.rank}: {len(shard.indices)} training examples (labels "
-              f"{np.bincount(ds.y_train[shard.indices], minlength=ds.n_classes).tolist()}), "
+    log.debug(f"communities: rank {world.rank}: {len(shard.indices)} training examples"
+              + ("" if ds.sequence else
+                 f" (labels {np.bincount(ds.y_train[shard.indices], minlength=ds.n_classes).tolist()})") + ", "
               f"{len(ds.y_test)} test examples of shape {ds.input_shape}"
               + (f", {len(local)} local test examples" if len(local) else ""))
     if cfg.signature.kind in ("logits", "cka") and cfg.signature.probe_size > len(ds.y_train):

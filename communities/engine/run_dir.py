@@ -354,4 +354,4 @@ def describe_partition(replica) -> dict:
     ds = replica.data.dataset
     kind = data.SHARDED if ds.sharded else replica.cfg.data.partition
     return data.describe(replica.data.shards, ds.y_train, kind, len(ds.y_test), replica.data.label_counts,
-                         replica.data.local_test_sizes, replica.cfg.data.shift)
+                         replica.data.local_test_sizes, replica.cfg.data.shift, ds.text, replica.cfg.data.groups)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -35,6 +35,10 @@ import torch
 from ..errors import DataError
 from . import plugins
 from . import shift as concept_shift
+from . import text as corpora
+
+if TYPE_CHECKING:
+    from .text import TextMeta
 
 
 @dataclass
@@ -48,6 +52,12 @@ class Dataset:
     example_groups: Optional[np.ndarray] = None  # ... or one per training example
     sharded: bool = False  # a sharded reader's: x_train/y_train are this rank's shard, not the whole training set
     classes: Optional[int] = None  # set when the labels seen here may not cover every class (a sharded reader's)
+    text: Optional["TextMeta"] = None  # a text corpus's (text.py): x are token windows, y the next tokens
+
+    @property
+    def sequence(self) -> bool:
+        """Whether examples are token windows and labels the next tokens (a language model's data)."""
+        return self.text is not None
 
     @property
     def n_classes(self) -> int:
@@ -312,6 +322,10 @@ def declared_groups(ds: Dataset, shards: List[Shard]) -> Optional[List[int]]:
 def validate(ds: Dataset) -> Dataset:
     """Shapes and labels a classifier can train on; raises DataError naming the dataset."""
     where = f"data.dataset={ds.name!r}"
+    if ds.sequence:
+        if ds.y_train.shape != ds.x_train.shape or ds.y_test.shape != ds.x_test.shape or ds.x_train.ndim != 2:
+            raise DataError(f"{where}: token windows and their next tokens must share one shape (n, context)")
+        return ds
     if ds.x_train.ndim < 2 or ds.x_test.ndim < 2:
         raise DataError(f"{where}: x_train and x_test need shape (n, features...), "
                         f"got {ds.x_train.shape} and {ds.x_test.shape}")
@@ -345,11 +359,17 @@ def load(cfg, seed: int, rank: int = 0, world_size: int = 1) -> Dataset:
         ds = load_mnist1d(seed, cfg.samples, cfg.root)
     elif cfg.dataset == "synthetic":
         ds = load_synthetic(cfg.synthetic, cfg.test_fraction, seed)
+    elif cfg.dataset == "pystdlib":
+        ds = corpora.load_pystdlib(cfg.lm.context, cfg.test_fraction, cfg.lm.max_bytes, cfg.lm.test_windows)
+    elif cfg.dataset == "text":
+        ds = corpora.load_text(cfg.root, cfg.lm.context, cfg.test_fraction, cfg.lm.max_bytes, cfg.lm.test_windows)
+    elif cfg.dataset == "tokens":
+        ds = corpora.load_tokens(cfg.root, cfg.lm.context, cfg.lm.vocab, cfg.lm.bytes_per_token, cfg.lm.test_windows)
     else:
         root = None if cfg.root is None else os.path.abspath(os.path.expanduser(cfg.root))
         ds = load_user(cfg.dataset, seed, root, rank, world_size)
     ds = validate(ds)
-    if cfg.standardize and not ds.sharded:
+    if cfg.standardize and not ds.sharded and not ds.sequence:  # token ids are not features to scale
         mu = ds.x_train.mean(axis=0, keepdims=True)
         sd = ds.x_train.std(axis=0, keepdims=True)
         standardize_(ds, mu, sd)
@@ -384,6 +404,9 @@ def fingerprint(ds: Dataset) -> Tuple[str, str]:
     for arrays in ((ds.x_train, ds.y_train), (ds.x_test, ds.y_test)):
         h = hashlib.blake2b(digest_size=16)
         for a in arrays:
+            if isinstance(a.base, np.memmap) or isinstance(a, np.memmap):  # a token file: sampled, never read whole
+                corpora.sampled_digest(h, a)
+                continue
             h.update(str(a.shape).encode())
             h.update(np.ascontiguousarray(a).tobytes())
         out.append(h.hexdigest())
@@ -469,12 +492,22 @@ def _ensure_nonempty(shards: List[Shard], rng) -> List[Shard]:
     return shards
 
 
+def rows(a: np.ndarray, indices) -> torch.Tensor:
+    """``a[indices]`` as a tensor: a memmapped token file reads those rows only; uint16 ids become int32 (torch
+    computes little on uint16)."""
+    out = np.asarray(a[indices if isinstance(indices, slice) else np.asarray(indices, dtype=np.int64)])
+    return torch.from_numpy(out.astype(np.int32) if out.dtype == np.uint16 else np.ascontiguousarray(out))
+
+
 def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
              label_counts: Optional[List[List[int]]] = None, local_test_sizes: Optional[List[int]] = None,
-             shift: str = "none") -> dict:
+             shift: str = "none", text: Optional["TextMeta"] = None, n_groups: int = 0) -> dict:
     """The ``partition.json`` record (a sharded reader's: ``label_counts`` gathered from every rank; ``shift`` and
-    ``local_test_sizes`` only when those are on)."""
-    if label_counts is None:
+    ``local_test_sizes`` only when those are on; a text corpus's domains, its label counts left out: a vocabulary
+    of counts per rank says little and weighs much)."""
+    if text is not None:
+        label_counts = [[] for _ in shards]
+    elif label_counts is None:
         n_classes = int(np.max(y)) + 1
         label_counts = [np.bincount(y[s.indices], minlength=n_classes).tolist() for s in shards]
     groups = None if shards[0].group is None else [int(s.group) for s in shards]
@@ -492,6 +525,8 @@ def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
         out["shift"] = shift
     if local_test_sizes is not None and any(local_test_sizes):
         out["local_test_sizes"] = [int(n) for n in local_test_sizes]
+    if text is not None:
+        out.update(corpora.describe_domains(text, shards, n_groups if kind == "by_domain" else None))
     return out
 
 
@@ -554,6 +589,10 @@ def shifted(ds: Dataset, shards: List[Shard], kind: str, groups: int, seed: int)
 def arrange(ds: Dataset, cfg, seed: int, world: int) -> Prepared:
     """A loaded dataset (not a sharded reader's) partitioned over ``world`` ranks by ``cfg`` (a DataConfig), the
     planted groups shifted, the local tests held out: what every rank computes alike, for all N ranks."""
+    if ds.text is not None:
+        shards = corpora.partition(ds.text, world, cfg.partition, cfg.groups)
+        shards, local_tests = hold_out(shards, cfg.local_test_fraction, seed)
+        return Prepared(ds, shards, local_tests)
     shards = partition(ds.y_train, world, cfg.partition, seed, cfg.alpha, cfg.groups, cfg.purity)
     declared = declared_groups(ds, shards)
     if declared is not None:  # the user's own notion of which ranks belong together

@@ -16,6 +16,7 @@ import torch
 from ..core import pbt
 from ..errors import DataError
 from . import data, models, plugins
+from . import text as corpora
 
 SAMPLE = 4  # test examples in the forward pass
 
@@ -35,9 +36,15 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
             raise DataError(f"{where}: two calls of {fn}() gave different {' and '.join(differ)}; is it "
                             "deterministic? It is called with seed= (use it for every random choice): every rank "
                             "must get the same " + ("test split" if ds.sharded else "data"))
-    lines = [f"data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test examples of shape "
-             f"{ds.input_shape}, {ds.n_classes} classes"
-             + (f" (rank 0's shard of {n}: a sharded reader)" if ds.sharded else "")]
+    if ds.text is not None:
+        T = ds.input_shape[0]
+        lines = [f"data: {ds.name}: {len(ds.y_train)} training windows of {T} tokens ({len(ds.y_train) * T:,} "
+                 f"tokens in {len(ds.text.domains)} domains) and {len(ds.y_test)} held-out windows, vocabulary "
+                 f"{ds.n_classes}; {ds.text.source}"]
+    else:
+        lines = [f"data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test examples of shape "
+                 f"{ds.input_shape}, {ds.n_classes} classes"
+                 + (f" (rank 0's shard of {n}: a sharded reader)" if ds.sharded else "")]
     sizes: Optional[List[int]] = None
     if not ds.sharded and world_size is not None:
         prepared = data.arrange(ds, cfg.data, cfg.seed, world_size)  # as the ranks will: shift, local tests
@@ -45,6 +52,11 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
         sizes = [s.indices.size for s in prepared.shards]
         planted = f", {cfg.data.groups} planted groups of ranks with disjoint labels" \
             if cfg.data.partition == "label_groups" else ""
+        if cfg.data.partition == "by_domain" and ds.text is not None:
+            of = corpora.domain_groups(ds.text.domain_bytes, cfg.data.groups)
+            planted = ", groups of whole domains: " + "; ".join(
+                f"{g}: " + ", ".join(d for d, k in zip(ds.text.domains, of) if k == g)[:60]
+                for g in range(cfg.data.groups))
         local = [t.size for t in prepared.local_tests]
         lines.append(f"partition: {cfg.data.partition} over {world_size} ranks{planted}: {min(sizes)} to "
                      f"{max(sizes)} examples per rank" + (f"; declared groups {groups}" if groups else "")
@@ -56,10 +68,12 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
     torch.manual_seed(models.init_seed(cfg.seed, 0, cfg.model.init))
     model = models.build(cfg.model, ds.input_shape, ds.n_classes)
     sample = torch.as_tensor(np.ascontiguousarray(ds.x_test[:SAMPLE]))
-    models.check_output(model, sample, ds.n_classes, cfg.model.name)
+    models.check_output(model, sample, ds.n_classes, cfg.model.name, ds.sequence)
+    with torch.no_grad():
+        shape = tuple(model.eval()(sample).shape)
     flat, n_params = models.flatten_(model)
     lines.append(f"model: {cfg.model.name}: {n_params} parameters ({flat.numel()} values merged); a forward pass of "
-                 f"{len(sample)} test examples gave ({len(sample)}, {ds.n_classes}) logits")
+                 f"{len(sample)} test examples gave {shape} logits")
     if cfg.privacy.enabled:
         lines.append(_privacy_line(cfg, model, ds, sizes))
     if cfg.pbt.enabled:

@@ -1,4 +1,4 @@
-"""Built-in models (an MLP, the MNIST-1D 1-D CNN) and a user's ``module:function``.
+"""Built-in models (an MLP, the MNIST-1D 1-D CNN, a small GPT: gpt.py) and a user's ``module:function``.
 
 A user's model function is called as ``fn(input_shape=..., n_classes=...)``
 (``plugins.MODEL_SIGNATURE``; docs/plugins.md) and must return an ``nn.Module``.
@@ -76,6 +76,11 @@ def build(cfg, input_shape: Tuple[int, ...], n_classes: int) -> nn.Module:
         return MLP(features, n_classes, cfg.hidden, cfg.dropout, cfg.batchnorm)
     if cfg.name == "cnn1d":
         return CNN1D(features, n_classes, cfg.channels, cfg.batchnorm)
+    if cfg.name == "gpt":
+        from .gpt import GPT
+
+        g = cfg.gpt
+        return GPT(n_classes, int(input_shape[0]), g.layers, g.heads, g.embed, cfg.dropout)
     key = "model.name"
     fn = plugins.resolve(cfg.name, key, ModelError)
     offered = {"input_shape": tuple(int(s) for s in input_shape), "n_classes": int(n_classes)}
@@ -88,8 +93,9 @@ def build(cfg, input_shape: Tuple[int, ...], n_classes: int) -> nn.Module:
     return model
 
 
-def check_output(model: nn.Module, sample: torch.Tensor, n_classes: int, name: str) -> None:
-    """One forward pass on a small batch: the logits must be (batch, n_classes)."""
+def check_output(model: nn.Module, sample: torch.Tensor, n_classes: int, name: str, sequence: bool = False) -> None:
+    """One forward pass on a small batch: the logits must be (batch, n_classes), a sequence model's
+    (batch, time, vocabulary) for windows of (batch, time) tokens."""
     was = model.training
     model.eval()
     try:
@@ -103,11 +109,10 @@ def check_output(model: nn.Module, sample: torch.Tensor, n_classes: int, name: s
     if not isinstance(out, torch.Tensor):
         raise ModelError(f"model.name={name!r}: forward() returns {type(out).__name__}; expected a tensor of logits "
                          f"({sample.shape[0]}, n_classes)")
-    if out.ndim != 2 or out.shape != (sample.shape[0], n_classes):
-        raise ModelError(
-            f"model.name={name!r} returns shape {tuple(out.shape)} for a batch of {sample.shape[0]}; "
-            f"expected ({sample.shape[0]}, {n_classes})"
-        )
+    want = (tuple(sample.shape[:2]) if sequence else (sample.shape[0],)) + (n_classes,)
+    if tuple(out.shape) != want:
+        raise ModelError(f"model.name={name!r} returns shape {tuple(out.shape)} for a batch of shape "
+                         f"{tuple(sample.shape)}; expected {want}")
 
 
 def _merged_tensors(model: nn.Module):

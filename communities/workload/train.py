@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core import protocol
+from ..core import schedule as schedules
 
 if TYPE_CHECKING:
     from .private import PrivateGradient
@@ -28,6 +29,34 @@ def make_optimizer(cfg, params) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     raise ValueError(f"train.optimizer={cfg.optimizer!r} is not one of sgd, adamw")
+
+
+def cross_entropy(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """A classifier's (batch, classes) logits against labels, or a sequence model's (batch, time, vocabulary)
+    logits against the next tokens: per example, the mean over its tokens (nats per token)."""
+    if out.ndim == 3:
+        if reduction == "mean":
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1).long())
+        per = F.cross_entropy(out.transpose(1, 2), y.long(), reduction="none").mean(1)
+        return per.sum() if reduction == "sum" else per
+    return F.cross_entropy(out, y, reduction=reduction)
+
+
+def correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Right predictions summed over examples (a sequence's: the share of its tokens predicted right)."""
+    hits = out.argmax(-1) == y
+    return hits.double().mean(1).sum() if out.ndim == 3 else hits.sum()
+
+
+def scheduled(cfg) -> bool:
+    """Whether a TrainConfig's learning rate moves over the budget (train.schedule, train.warmup)."""
+    return cfg.schedule != "constant" or cfg.warmup > 0
+
+
+def lr_factor(cfg, t: int, k: int, steps: int) -> float:
+    """The learning rate's share of its peak at step k (1-based) of ``steps`` in unit t: a function of virtual
+    time, so a resumed run, every strategy and every protocol compute the same."""
+    return schedules.lr_factor((t - 1 + k / max(steps, 1)) / cfg.budget, cfg.schedule, cfg.warmup, cfg.min_lr)
 
 
 @dataclass
@@ -105,56 +134,80 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     if steps is None and cfg.unit == "steps":
         steps = cfg.steps_per_unit
     total_loss = torch.zeros((), dtype=torch.float64, device=x.device)
-    correct = torch.zeros((), dtype=torch.int64, device=x.device)
+    right = torch.zeros((), dtype=torch.float64, device=x.device)
     seen = n_steps = 0
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     poisson = private is not None and private.poisson
     gen = private.generator(t) if private is not None else None
-    for idx in batches(len(y), cfg.batch_size, seed, rank, t, steps, poisson=poisson):
-        if len(idx) < 2 and has_bn and grad_sync is None:
-            continue  # BatchNorm cannot train on a batch of one
-        ix = torch.as_tensor(idx, device=x.device)
-        xb, yb = x[ix], y[ix]
-        if private is None:
-            out = model(xb)
-            loss = F.cross_entropy(out, yb)
-            opt.zero_grad(set_to_none=grad_sync is None)
-            loss.backward()
-        else:  # the expected batch size under Poisson sampling, the batch's own under shuffling
-            denom = min(cfg.batch_size, len(y)) if poisson else len(idx)
-            out, loss = private.backward(xb, yb, denom, opt, gen, set_to_none=grad_sync is None)
-        if grad_sync is not None:
-            grad_sync()
-        opt.step()
-        if out is not None and loss is not None:
-            total_loss += loss.detach().double() * len(idx)
-            correct += (out.detach().argmax(1) == yb).sum()
-        seen += len(idx)
-        n_steps += 1
-        if between_batches is not None:
-            between_batches(n_steps)
+    plan = list(batches(len(y), cfg.batch_size, seed, rank, t, steps, poisson=poisson))
+    peaks = [g["lr"] for g in opt.param_groups] if scheduled(cfg) else None  # the groups' lr between units
+    try:
+        for k, idx in enumerate(plan, 1):
+            if peaks is not None:
+                for g, peak in zip(opt.param_groups, peaks):
+                    g["lr"] = peak * lr_factor(cfg, t, k, len(plan))
+            res = _step(model, opt, x, y, idx, cfg, has_bn, grad_sync, private, poisson, gen)
+            if res is None:
+                continue
+            loss, hits = res
+            total_loss += loss * len(idx)
+            right += hits
+            seen += len(idx)
+            n_steps += 1
+            if between_batches is not None:
+                between_batches(n_steps)
+    finally:
+        if peaks is not None:
+            for g, peak in zip(opt.param_groups, peaks):
+                g["lr"] = peak
     seen_f = max(seen, 1)
     # Poisson batches: count the expected examples, as the noisy sum is divided by them; the drawn count is a
     # function of the shard that DP-SGD does not protect (what partners are told: merge.rule clock)
     samples = n_steps * min(cfg.batch_size, len(y)) if poisson else seen
-    return UnitResult(float(total_loss) / seen_f, float(correct) / seen_f, samples, n_steps)
+    return UnitResult(float(total_loss) / seen_f, float(right) / seen_f, samples, n_steps)
+
+
+def _step(model, opt, x, y, idx, cfg, has_bn, grad_sync, private, poisson, gen):
+    """One optimizer step on the batch ``idx``: (its loss, its right predictions) as tensors, zeros for an empty
+    Poisson batch, or None for a batch BatchNorm cannot train on."""
+    if len(idx) < 2 and has_bn and grad_sync is None:
+        return None  # BatchNorm cannot train on a batch of one
+    ix = torch.as_tensor(idx, device=x.device)
+    xb, yb = x[ix], y[ix]
+    if private is None:
+        out = model(xb)
+        loss = cross_entropy(out, yb)
+        opt.zero_grad(set_to_none=grad_sync is None)
+        loss.backward()
+    else:  # the expected batch size under Poisson sampling, the batch's own under shuffling
+        denom = min(cfg.batch_size, len(y)) if poisson else len(idx)
+        out, loss = private.backward(xb, yb, denom, opt, gen, set_to_none=grad_sync is None)
+    if grad_sync is not None:
+        grad_sync()
+    opt.step()
+    if out is None or loss is None:  # an empty Poisson batch: its step is the noise alone
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+        return zero, zero
+    return loss.detach().double(), correct(out.detach(), yb)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> Tuple[float, float]:
     """(accuracy, mean cross-entropy) on (x, y), in eval mode; the model's mode is restored after (a score taken
     between batches, as pbt's under protocol async, must not leave dropout or batch norm in eval mode)."""
+    if not x.is_floating_point():  # token windows: at most 4,096 tokens per pass (the logits are tokens x vocabulary)
+        batch_size = max(1, min(batch_size, 4096 // max(int(x.shape[-1]), 1)))
     was = model.training
     model.eval()
     total_loss = 0.0
-    correct = 0
+    right = 0.0
     try:
         for lo in range(0, len(y), batch_size):
             out = model(x[lo: lo + batch_size])
             yb = y[lo: lo + batch_size]
-            total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
-            correct += int((out.argmax(1) == yb).sum())
+            total_loss += float(cross_entropy(out, yb, reduction="sum"))
+            right += float(correct(out, yb))
     finally:
         model.train(was)
     n = max(len(y), 1)
-    return correct / n, total_loss / n
+    return right / n, total_loss / n
