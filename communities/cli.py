@@ -34,6 +34,7 @@ DELEGATED = {
     "slurm": (".tools.slurm", "main_slurm"),
     "export": (".tools.export", "main_export"),
     "dp-reference": (".tools.dp_reference", "main_dp_reference"),
+    "lm-reference": (".tools.lm_reference", "main_lm_reference"),
 }
 
 
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("dp-reference", help="single-process Opacus DP-SGD on the pooled data, the privacy reference: "
                                         "dp-reference CONFIG --epsilon 1 3 8 inf", add_help=False)
+    sub.add_parser("lm-reference", help="the language model trained centrally on the whole training split for the "
+                                        "run's tokens, the reference: lm-reference CONFIG", add_help=False)
     return parser
 
 
