@@ -142,6 +142,9 @@ class DataConfig(_Section):
                              f"(data.dataset={self.dataset!r}) has planted groups through data.partition=by_domain")
         if self.dataset in ("text", "tokens") and self.root is None:
             raise ValueError(f"data.dataset={self.dataset!r} reads its files from data.root, which is not set")
+        if self.dataset == "tokens" and self.partition == "by_domain":
+            raise ValueError("data.partition='by_domain' needs domains (files under directories): data.dataset='tokens' "
+                             "is one stream of token ids; use iid")
         if self.dataset != "tokens" and (self.lm.vocab is not None or self.lm.bytes_per_token is not None):
             raise ValueError("data.lm.vocab and data.lm.bytes_per_token describe a token corpus (data.dataset=tokens); "
                              f"data.dataset={self.dataset!r} is bytes")
@@ -470,7 +473,19 @@ def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
             out.extend(differences(a, b, path + "."))
         elif a != b:
             out.append(f"{path}: checkpoint has {a!r}, config has {b!r}")
+    if not prefix:
+        out.extend(_budget_moves_schedule(saved, current))
     return out
+
+
+def _budget_moves_schedule(saved: dict, current: dict) -> List[str]:
+    """A new train.budget under an lr schedule stretches the schedule: the lr would jump at the resume."""
+    old, new = saved.get("train") or {}, current.get("train") or {}
+    moving = new.get("schedule", "constant") != "constant" or (new.get("warmup") or 0) > 0
+    if moving and old.get("budget") is not None and old.get("budget") != new.get("budget"):
+        return [f"train.budget: checkpoint has {old.get('budget')!r}, config has {new.get('budget')!r} (the lr "
+                "schedule, train.schedule and train.warmup, runs over the budget: a new one would move the lr)"]
+    return []
 
 
 

@@ -1,8 +1,8 @@
 """Annealing schedules: a scalar that moves from ``start`` to ``end`` over a horizon.
 
 Used for p_cross(t), the partner temperature T(t), the community count k(t),
-the ``ema`` merge weight a(t) and the learning rate's warmup and decay. Pure functions of t; no state, so every rank and a
-resumed run compute the same value.
+the ``ema`` merge weight a(t) and the learning rate's warmup and decay. Pure
+functions of t; no state, so every rank and a resumed run compute the same value.
 """
 from __future__ import annotations
 

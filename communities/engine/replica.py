@@ -355,7 +355,7 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
                                   ("protocol=async", cfg.protocol == "async"),
                                   ("privacy.enabled", cfg.privacy.enabled),
                                   ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0),
-                                  ("a learning-rate schedule (train.schedule, train.warmup)", train.scheduled(cfg.train)),
+                                  ("train.schedule or train.warmup", train.scheduled(cfg.train)),
                                   (f"data.dataset={cfg.data.dataset}", placed.dataset.sequence))
               if on]
     if inside:

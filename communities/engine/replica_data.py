@@ -120,6 +120,12 @@ def _check_same_data(cfg: "Config", world: World, ds: data.Dataset, fingerprint:
         return "shared"
     what = " and ".join(w for w, d in (("training set", train_differ), ("test split", test_differ)) if d)
     ranks = sorted(set(test_differ) | set(train_differ))
+    if cfg.data.on_mismatch == "refuse" and ds.text is not None:
+        raise Disagreement(
+            f"data.dataset={cfg.data.dataset!r}: the ranks' data differ: ranks {ranks} read another {what} than "
+            "rank 0 (" + ("another Python version's standard library?" if cfg.data.dataset == "pystdlib" else
+                          f"other files under data.root={cfg.data.root!r}?") + " Every rank must read the same "
+            "corpus; data.on_mismatch=warn trains anyway)")
     if cfg.data.on_mismatch == "refuse":
         fn = cfg.data.dataset.partition(":")[2] or cfg.data.dataset
         raise Disagreement(

@@ -111,8 +111,9 @@ def check_output(model: nn.Module, sample: torch.Tensor, n_classes: int, name: s
                          f"({sample.shape[0]}, n_classes)")
     want = (tuple(sample.shape[:2]) if sequence else (sample.shape[0],)) + (n_classes,)
     if tuple(out.shape) != want:
-        raise ModelError(f"model.name={name!r} returns shape {tuple(out.shape)} for a batch of shape "
-                         f"{tuple(sample.shape)}; expected {want}")
+        batch = f"shape {tuple(sample.shape)}" if sequence else str(sample.shape[0])
+        raise ModelError(f"model.name={name!r} returns shape {tuple(out.shape)} for a batch of {batch}; "
+                         f"expected {want}")
 
 
 def _merged_tensors(model: nn.Module):
