@@ -143,8 +143,8 @@ class DataConfig(_Section):
         if self.dataset in ("text", "tokens") and self.root is None:
             raise ValueError(f"data.dataset={self.dataset!r} reads its files from data.root, which is not set")
         if self.dataset == "tokens" and self.partition == "by_domain":
-            raise ValueError("data.partition='by_domain' needs domains (files under directories): data.dataset='tokens' "
-                             "is one stream of token ids; use iid")
+            raise ValueError("data.partition='by_domain' needs domains (files under directories): "
+                             "data.dataset='tokens' is one stream of token ids; use iid")
         if self.dataset != "tokens" and (self.lm.vocab is not None or self.lm.bytes_per_token is not None):
             raise ValueError("data.lm.vocab and data.lm.bytes_per_token describe a token corpus (data.dataset=tokens); "
                              f"data.dataset={self.dataset!r} is bytes")

@@ -322,6 +322,75 @@ def finite_or_none(x: float) -> Optional[float]:
     return None if not math.isfinite(x) else float(x)
 
 
+# --------------------------------------------------------------------------- language models
+
+LANGUAGE_MODEL = "language_model"  # summary.json ``task`` of a run whose examples are token windows
+
+
+def bits_per_byte(loss: Optional[float], bytes_per_token: Optional[float]) -> Optional[float]:
+    """A mean cross-entropy in nats per token as bits per byte, ``loss / ln 2 / bytes_per_token``: the figure that
+    compares across tokenizers and corpora. None where either is unknown, or the loss is not finite."""
+    if loss is None or bytes_per_token is None or not math.isfinite(loss) or not bytes_per_token > 0:
+        return None
+    return float(loss) / math.log(2) / float(bytes_per_token)
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """What a language-model run's figures mean: losses are nats per token, accuracies next-token accuracies.
+
+    ``bytes_per_token`` is 1 for a byte corpus, a token corpus's only when ``data.lm.bytes_per_token`` says it
+    (else None: no bits per byte); ``context`` is the tokens per window (an example, a "sample").
+    """
+
+    bytes_per_token: Optional[float] = None
+    context: Optional[int] = None
+
+    @property
+    def factor(self) -> Optional[float]:
+        """Bits per byte per nat per token (None without bytes_per_token)."""
+        return bits_per_byte(1.0, self.bytes_per_token)
+
+    def bpb(self, loss: Optional[float]) -> Optional[float]:
+        return bits_per_byte(loss, self.bytes_per_token)
+
+    def with_bpb(self, row: dict) -> dict:
+        """A metrics or consensus row with ``test_bpb`` right after its ``test_loss`` (a new dict; the row as it
+        is where bits per byte are unknown or the row has no test_loss)."""
+        if self.bytes_per_token is None or "test_loss" not in row or "test_bpb" in row:
+            return row
+        out = {}
+        for key, value in row.items():
+            out[key] = value
+            if key == "test_loss":
+                out["test_bpb"] = self.bpb(value)
+        return out
+
+    def summary_fields(self, consensus_loss: float, rank_losses: Sequence[float]) -> dict:
+        """summary.json's language-model fields (``Summary``): the task, the conversion and the losses in bits."""
+        losses = [float(x) for x in rank_losses]
+        finite = [x for x in losses if math.isfinite(x)]
+        mean = float(np.mean(finite)) if finite else None
+        return {"task": LANGUAGE_MODEL, "context": self.context, "bytes_per_token": self.bytes_per_token,
+                "bits_per_byte_factor": self.factor, "consensus_test_bpb": self.bpb(consensus_loss),
+                "rank_test_loss": [finite_or_none(x) for x in losses], "mean_rank_loss": mean,
+                "mean_rank_bpb": self.bpb(mean)}
+
+    @classmethod
+    def of_run(cls, summary: Optional[dict], partition: Optional[dict], config: Optional[dict]
+               ) -> Optional["LanguageModel"]:
+        """A run directory's, from what it wrote (None: a classifier's). summary.json says it once the run has
+        ended; before, partition.json (written at the start) holds a text corpus's ``bytes_per_token``."""
+        summary, partition, config = summary or {}, partition or {}, config or {}
+        lm = (config.get("data") or {}).get("lm") or {}
+        context = lm.get("context") if isinstance(lm, dict) else None
+        if summary.get("task") == LANGUAGE_MODEL:
+            return cls(summary.get("bytes_per_token"), summary.get("context") or context)
+        if "bytes_per_token" in partition:  # text.describe_domains: a text corpus
+            return cls(partition.get("bytes_per_token"), context)
+        return None
+
+
 class Event(IntEnum):
     """What one rank's side of a mixing step did (``merges.jsonl`` field ``event``, by name)."""
 
@@ -372,9 +441,11 @@ class MetricRow(_Record):
     local_loss: float = float("nan")
     epsilon: float = float("nan")  # privacy.enabled: the replica's epsilon so far (at privacy.delta)
 
-    def to_json(self, rank: int, local: bool = False, private: bool = False) -> dict:
+    def to_json(self, rank: int, local: bool = False, private: bool = False,
+                lm: Optional[LanguageModel] = None) -> dict:
         """The metrics.jsonl line; ``local_acc``/``local_loss`` only in runs that hold out local test data,
-        ``epsilon`` only in runs with privacy (``Infinity`` never: a noiseless private run writes null)."""
+        ``epsilon`` only in runs with privacy (``Infinity`` never: a noiseless private run writes null),
+        ``test_bpb`` only in a language model's run whose bytes per token are known."""
         out = {"t": self.t, "rank": rank, "loss": finite_or_none(self.loss),
                "train_acc": finite_or_none(self.train_acc), "test_acc": finite_or_none(self.test_acc),
                "test_loss": finite_or_none(self.test_loss), "samples": self.samples, "bytes_sent": self.bytes_sent,
@@ -383,7 +454,7 @@ class MetricRow(_Record):
             out.update(local_acc=finite_or_none(self.local_acc), local_loss=finite_or_none(self.local_loss))
         if private:
             out["epsilon"] = finite_or_none(self.epsilon)
-        return out
+        return out if lm is None else lm.with_bpb(out)
 
 
 @dataclass
@@ -499,9 +570,20 @@ class Summary:
     placement: Optional[dict] = None  # a population (world_size > MPI processes): processes, bytes by kind
     privacy: Optional[dict] = None  # privacy.enabled: each replica's epsilon, the worst one, noise and sampling
     pbt: Optional[dict] = None  # pbt.enabled: each replica's final hyperparameters, and per community
+    # a language model's run (LanguageModel.summary_fields): losses in nats per token, accuracies next-token ones
+    task: Optional[str] = None  # "language_model"; absent: a classifier
+    context: Optional[int] = None  # tokens per window (one example)
+    bytes_per_token: Optional[float] = None  # absent: unknown (a token corpus without data.lm.bytes_per_token)
+    bits_per_byte_factor: Optional[float] = None  # bits per byte = nats per token x this
+    consensus_test_bpb: Optional[float] = None
+    rank_test_loss: Optional[List[Optional[float]]] = None  # each rank's own model's last test loss
+    mean_rank_loss: Optional[float] = None
+    mean_rank_bpb: Optional[float] = None
 
     OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement", "local_test", "consensus_mode",
-                                           "community_models", "membership", "placement", "privacy", "pbt")
+                                           "community_models", "membership", "placement", "privacy", "pbt",
+                                           "task", "context", "bytes_per_token", "bits_per_byte_factor",
+                                           "consensus_test_bpb", "rank_test_loss", "mean_rank_loss", "mean_rank_bpb")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -515,6 +597,11 @@ class Summary:
         """A summary read back; fields an older version did not write take their defaults."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def language_model(self) -> Optional[LanguageModel]:
+        """The run's LanguageModel (None: a classifier's)."""
+        return LanguageModel(self.bytes_per_token, self.context) if self.task == LANGUAGE_MODEL else None
 
     @classmethod
     def read(cls, path: Path) -> "Summary":

@@ -43,7 +43,7 @@ from .faults import make_faults
 from .progress import Progress
 from .replica import Replica
 from .run_dir import Resume, RunDirectory, describe_partition, now
-from .runlog import RunLog, print_summary
+from .runlog import RunLog, language_model, print_summary
 from .snapshots import RoundSnapshots
 from .timer import Timer
 
@@ -86,7 +86,8 @@ class Engine:
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
                                     device, self.replica.flat.numel())
-        self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log)
+        self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log,
+                          lm=language_model(self.replica.data.dataset))
         self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0)
         parts: Dict[str, Stateful] = {
             "replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
@@ -272,7 +273,7 @@ class Engine:
         com = self.mixer.strategy.communities
         summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views, dp,
                                   None if replica.hyper is None else replica.hyper.values,
-                                  None if com is None else com.labels)
+                                  None if com is None else com.labels, test_loss=replica.test_loss)
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary

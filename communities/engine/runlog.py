@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 from itertools import groupby
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -29,6 +30,7 @@ from ..manifest import entry
 from ..results import (
     TIME_CATEGORIES,
     Event,
+    LanguageModel,
     MergeRow,
     MetricRow,
     RunWriter,
@@ -37,6 +39,7 @@ from ..results import (
     finite_or_none,
 )
 from ..runtime.comm import World
+from ..workload.data import Dataset
 from .consensus import Decision
 from .example_tracker import ExampleTracker
 from .rounds import RoundResult
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
-                "bytes_in_process") + TIME_CATEGORIES
+                "bytes_in_process", "test_loss") + TIME_CATEGORIES
 DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_epsilon")  # privacy.enabled
 
 
@@ -55,8 +58,9 @@ class RunLog:
     """One rank's log buffer; on rank 0 also the writer of the run directory."""
 
     def __init__(self, cfg: Config, world: World, timer: Timer, *, writer: Optional[RunWriter],
-                 collective: bool = True):
+                 collective: bool = True, lm: Optional[LanguageModel] = None):
         self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
+        self.lm = lm  # a language model's run: its rows and summary also speak bits per byte
         self.collective = collective  # rows may be gathered at every round (false: only at a stop and the end)
         self.rank = world.rank
         self.metric_rows: List[MetricRow] = []
@@ -84,6 +88,8 @@ class RunLog:
 
     def consensus_rows(self, rows: List[dict]) -> None:
         if rows and self.writer is not None:
+            if self.lm is not None:
+                rows = [self.lm.with_bpb(r) for r in rows]
             self.writer.append_jsonl("consensus.jsonl", rows)
             if self.board is not None:
                 self.board.consensus(rows)
@@ -140,7 +146,8 @@ class RunLog:
             return
         local = self.cfg.data.local_test_fraction > 0
         private = self.cfg.privacy.enabled
-        rows = [MetricRow.from_row(m).to_json(r, local, private) for r, block in enumerate(metrics) for m in block]
+        rows = [MetricRow.from_row(m).to_json(r, local, private, self.lm)
+                for r, block in enumerate(metrics) for m in block]
         if hyper is not None:  # pbt: each row's hyperparameters, rank block by rank block in the same order
             values = [v for block in hyper for v in block]
             for row, v in zip(rows, values):
@@ -191,19 +198,20 @@ class RunLog:
     def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
                tracker: Optional[ExampleTracker], views: Optional[List[list]] = None,
                dp: Optional[dict] = None, hyper: Optional[np.ndarray] = None,
-               labels: Optional[np.ndarray] = None) -> Optional[Summary]:
+               labels: Optional[np.ndarray] = None, test_loss: float = float("nan")) -> Optional[Summary]:
         """Gather every rank's final figures; rank 0 writes ``consensus.pt`` and ``summary.json`` and returns it.
 
         ``run`` holds the figures every rank shares (name, units, rounds, the
         consensus model's accuracy, ...); ``test_acc`` and ``distance`` (to the
         consensus, relative) are this rank's own; ``views`` (async) its community views;
         ``dp`` (privacy.enabled) its ``DP_FIELDS``; ``hyper`` (pbt) its final hyperparameters, summarised per
-        community of ``labels`` (the latest round's).
+        community of ``labels`` (the latest round's); ``test_loss`` its own model's last test loss (a language
+        model's summary reports the ranks' losses).
         """
         w = self.world
-        mine = {"test_acc": test_acc, "distance": distance, "bytes_sent": w.bytes_sent, "wall": self.timer.elapsed(),
-                "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data, "units": run["units"],
-                "bytes_in_process": w.bytes_in_process, **self.timer.split()}
+        mine = {"test_acc": test_acc, "test_loss": test_loss, "distance": distance, "bytes_sent": w.bytes_sent,
+                "wall": self.timer.elapsed(), "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data,
+                "units": run["units"], "bytes_in_process": w.bytes_in_process, **self.timer.split()}
         mine.update({f: (dp or {}).get(f, float("nan")) for f in DP_FIELDS})
         row = np.array([[mine[f] for f in FINAL_FIELDS + DP_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
@@ -239,7 +247,8 @@ class RunLog:
             placement=placement_summary(w.processes, w.size, g),
             privacy=self._privacy_summary(g) if dp is not None else None,
             pbt=(pbt.summary(self.hyper_names, np.concatenate(hyper_rows), labels)
-                 if hyper_rows is not None else None))
+                 if hyper_rows is not None else None),
+            **(self.lm.summary_fields(run["consensus_test_loss"], g["test_loss"]) if self.lm is not None else {}))
         self.writer.write_json("summary.json", summary.to_dict())
         if self.board is not None:
             self.board.finish(summary)
@@ -295,6 +304,14 @@ class RunLog:
         self.metric_rows, self.merge_rows = [], []
 
 
+def language_model(ds: Dataset) -> Optional[LanguageModel]:
+    """A language model's run (its data a text corpus, workload/text.py: token windows), else None (a
+    classifier's)."""
+    if ds.text is None:
+        return None
+    return LanguageModel(ds.text.bytes_per_token, int(ds.x_test.shape[-1]))
+
+
 def view_agreement(rows: List[dict]) -> dict:
     """ARI of every view against rank 0's latest view at that wall time: how much the ranks' communities agreed."""
     own = sorted((v for v in rows if v["rank"] == 0), key=lambda v: v["wall"])
@@ -323,11 +340,13 @@ def print_summary(s: Summary, run_dir: Path) -> None:
     ari = s.first_round_ari
     on = "" if s.consensus_test_split == "shared" else f"   (on {s.consensus_test_split})"
     disp = s.final_dispersion
-    lines = [
-        f"\n== {s.name}: {s.strategy} on {s.world_size} ranks, {s.units} units, {s.rounds} rounds ==",
+    lm = s.language_model
+    lines = [f"\n== {s.name}: {s.strategy} on {s.world_size} ranks, {s.units} units, {s.rounds} rounds =="]
+    lines += lm_lines(s, lm, on) if lm is not None else [
         f"consensus test accuracy  {s.consensus_test_acc:.4f}{on}",
         f"rank test accuracy       best {s.best_rank_acc:.4f}  worst {s.worst_rank_acc:.4f}  "
-        f"mean {s.mean_rank_acc:.4f}",
+        f"mean {s.mean_rank_acc:.4f}"]
+    lines += [
         f"communities per round    {counts or '-'}" + (f"   (first-round ARI {ari:.3f})" if ari is not None else ""),
         (f"final dispersion         {disp:.4g}" if disp is not None else "final dispersion         -")
         + (f"   consensus reached at t={s.consensus_reached_t}" if s.consensus_reached_t else "   (no consensus stop)"),
@@ -350,7 +369,11 @@ def print_summary(s: Summary, run_dir: Path) -> None:
         models = s.community_models["models"]
         lines.append(f"community models         {len(models)} in {run_dir / 'models'}: " + ", ".join(
             f"{e['community']}: {_acc(e['local_test_acc'])}" for e in models) + " (local test accuracy)")
-    if s.local_test:
+    if s.local_test and lm is not None:
+        lt = s.local_test
+        lines.append(f"local test loss          {lt['delivered']} {_loss(lt.get('mean_loss'), lm)} (mean over ranks); "
+                     f"next-token accuracy {_acc(lt.get('mean_acc'))}")
+    elif s.local_test:
         lt = s.local_test
         lines.append(f"local test accuracy      {lt['delivered']} {_acc(lt['mean_acc'])} (mean over ranks); own "
                      f"models {_acc(lt['mean_own_acc'])}, consensus {_acc(lt['mean_consensus_acc'])}")
@@ -373,6 +396,24 @@ def print_summary(s: Summary, run_dir: Path) -> None:
 
 def _acc(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def _loss(x: Optional[float], lm: LanguageModel) -> str:
+    """A loss as ``2.876 nats/token, 4.149 bits/byte`` (bits only where the bytes per token are known)."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    bpb = lm.bpb(x)
+    return f"{x:.3f} nats/token" + (f", {bpb:.3f} bits/byte" if bpb is not None else "")
+
+
+def lm_lines(s: Summary, lm: LanguageModel, on: str = "") -> List[str]:
+    """A language model's end-of-run figures: losses first (lower is better), accuracy as next-token accuracy."""
+    losses = [x for x in (s.rank_test_loss or []) if x is not None]
+    ranks = (f"best {min(losses):.3f}  worst {max(losses):.3f}  mean {_loss(s.mean_rank_loss, lm)}" if losses
+             else "-")
+    return [f"consensus test loss      {_loss(s.consensus_test_loss, lm)}; next-token accuracy "
+            f"{s.consensus_test_acc:.4f}{on}",
+            f"rank test loss           {ranks}; next-token accuracy mean {s.mean_rank_acc:.4f}"]
 
 
 def placement_summary(processes: int, replicas: int, g: Dict[str, np.ndarray]) -> Optional[dict]:

@@ -11,6 +11,8 @@ Tags (step: the unit t):
 
 - ``accuracy/consensus_test``, ``loss/consensus_test``: the consensus model's evaluations;
 - ``accuracy/rank_test_{mean,min,max}``, ``loss/rank_test_mean``, ``loss/rank_train_mean``: over the ranks;
+- a language model's run (losses in nats per token, accuracy next-token accuracy) with known bytes per token:
+  ``bpb/consensus_test`` and ``bpb/rank_test_mean``, bits per byte;
 - ``communities/{count,dispersion,p_cross,temperature,relative_update,ari}``: each signature round;
 - ``bytes/sent_per_rank_mean_mb``, ``time/elapsed_s``: the ranks' cumulative traffic and the slowest rank's wall;
 - ``time/{train,exchange,signature,idle,eval,other}_s``, ``final/*``: the wall split and the summary, at the end;
@@ -72,6 +74,7 @@ class TensorBoardLog:
             losses = [r["loss"] for r in group if _finite(r["loss"])]
             accs = [r["test_acc"] for r in group if _finite(r["test_acc"])]
             test_losses = [r["test_loss"] for r in group if _finite(r["test_loss"])]
+            bpbs = [r["test_bpb"] for r in group if _finite(r.get("test_bpb"))]  # a language model's
             if losses:
                 self._scalar("loss/rank_train_mean", np.mean(losses), t)
             if accs:
@@ -80,6 +83,8 @@ class TensorBoardLog:
                 self._scalar("accuracy/rank_test_max", max(accs), t)
             if test_losses:
                 self._scalar("loss/rank_test_mean", np.mean(test_losses), t)
+            if bpbs:
+                self._scalar("bpb/rank_test_mean", np.mean(bpbs), t)
             self._scalar("bytes/sent_per_rank_mean_mb", np.mean([r["bytes_sent"] for r in group]) / 1e6, t)
             self._scalar("time/elapsed_s", max(r["wall"] for r in group), t)
             eps = [r["epsilon"] for r in group if _finite(r.get("epsilon"))]
@@ -112,6 +117,7 @@ class TensorBoardLog:
         for row in rows:
             self._scalar("accuracy/consensus_test", row.get("test_acc"), row["t"])
             self._scalar("loss/consensus_test", row.get("test_loss"), row["t"])
+            self._scalar("bpb/consensus_test", row.get("test_bpb"), row["t"])
 
     def finish(self, summary) -> None:
         """The summary's figures and the wall split at the last unit, the dendrograms, then close the file."""
@@ -119,6 +125,9 @@ class TensorBoardLog:
         for key in ("consensus_test_acc", "best_rank_acc", "worst_rank_acc", "mean_rank_acc", "consensus_distance",
                     "final_dispersion", "wall_time"):
             self._scalar(f"final/{key}", getattr(summary, key), t)
+        for key in ("consensus_test_loss", "consensus_test_bpb", "mean_rank_loss", "mean_rank_bpb"):
+            if summary.task is not None:  # a language model's: lower is better
+                self._scalar(f"final/{key}", getattr(summary, key), t)
         self._scalar("final/bytes_sent_per_rank_mean_mb", summary.bytes_sent_mean / 1e6, t)
         for category, seconds in summary.time_split.items():
             self._scalar(f"time/{category}_s", seconds, t)

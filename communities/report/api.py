@@ -12,7 +12,9 @@ The frames (columns in order; a missing number is NaN, a missing id ``<NA>``):
 - ``metrics`` (metrics.jsonl, one row per rank per unit): ``t``, ``rank``, ``loss``, ``train_acc``,
   ``test_acc``, ``test_loss`` (NaN on units without an evaluation), ``samples`` and ``bytes_sent``
   (cumulative), ``wall`` (seconds since the start), and ``local_acc``, ``local_loss`` when the run
-  held out local test data.
+  held out local test data. A language model's run (``RunData.language_model``) measures losses in
+  nats per token and accuracy as next-token accuracy, and adds ``test_bpb`` (bits per byte) where its
+  bytes per token are known.
 - ``merges`` (merges.jsonl, one row per rank side of each mixing step): ``t``, ``i`` (the rank that
   logged it), ``j`` (the partner, -1 for a global average), ``initiator``, ``a``, ``update_norm``,
   ``distance``, ``bytes``, ``rule``, ``event`` (``merge``, ``average``, ``skip_diverged``, ...), then
@@ -22,7 +24,7 @@ The frames (columns in order; a missing number is NaN, a missing id ``<NA>``):
   round or a partner). A lagged signature round (``signature.overlap``) takes effect one round later
   than the round named here.
 - ``consensus`` (consensus.jsonl, one row per evaluation of the consensus model): ``t``, ``test_acc``,
-  ``test_loss`` and ``local_acc`` with local test data.
+  ``test_loss`` and ``local_acc`` with local test data (and a language model's ``test_bpb``).
 - ``rounds`` (one row per complete round): ``round``, ``t``, ``n_communities``, ``cut_height``,
   ``dispersion``, ``mean_update_norm``, ``p_cross``, ``temperature``, ``cophenetic`` (how well the tree
   keeps the signature distances), ``ari`` (against the planted groups; NaN without them), ``law``,
@@ -45,7 +47,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 import numpy as np
 from scipy.cluster import hierarchy
 
-from ..results import ResultsError, Summary, load_round, read_jsonl
+from ..results import LanguageModel, ResultsError, Summary, load_round, read_jsonl
 from . import load as _load
 from .figures import recursion_limit
 
@@ -133,6 +135,11 @@ class RunData:
     def summary(self) -> Optional[Summary]:
         """summary.json as a ``Summary`` (attributes: ``consensus_test_acc``, ...); None until the run finished."""
         return self._view.run.record
+
+    @property
+    def language_model(self) -> Optional[LanguageModel]:
+        """A language model's run: its bytes per token (``bpb(loss)`` converts) and context; None: a classifier's."""
+        return self._view.lm
 
     @property
     def status(self) -> str:

@@ -3,9 +3,12 @@
 What it writes to the report directory (``--out``), each as PNG:
 
 - ``curves.png``: dispersion, merge update norms, p_cross and temperature
-  schedules, test accuracy (ranks, their mean, the consensus model), bytes sent,
-  community count, cophenetic correlation and ARI, all over virtual time t;
-  several runs are overlaid in one figure;
+  schedules, test accuracy (ranks, their mean, the consensus model; a language
+  model's test loss instead, nats per token with bits per byte on the right axis),
+  bytes sent, community count, cophenetic correlation and ARI, all over virtual
+  time t; several runs are overlaid in one figure;
+- ``loss.png``: a language model's run only: test loss of each rank, their mean,
+  the consensus model and the mean training loss over t (lower is better);
 - ``timeline.png``: ranks x rounds coloured by community, with ids kept stable
   across rounds (``load.stable_labels``) so splits and merges read as such;
 - ``merge_matrix.png``: how often each pair of ranks merged, in the final round's
@@ -487,13 +490,32 @@ def _nanmean_cols(Y: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         return np.nanmean(Y[:, ok], axis=0) if ok.any() else np.zeros(0), ok
 
 
-class _CurvePanels:
-    """The nine over-t panels of the curves figure, and what has been drawn on them."""
+def bits_axis(ax, factor: Optional[float], label: bool = True) -> None:
+    """A right-hand axis in bits per byte beside an axis of nats per token (one factor: a linear rescaling)."""
+    if factor is None:
+        return
+    right = ax.secondary_yaxis("right", functions=(lambda x: x * factor, lambda y: y / factor))
+    right.tick_params(labelsize=8)
+    if label:
+        right.set_ylabel("bits/byte", fontsize=8)
 
-    def __init__(self, fig, overlay: bool) -> None:
+
+def _shared_factor(views: Sequence[RunView]) -> Optional[float]:
+    """The bits-per-byte factor the language-model runs share (None: unknown, or they differ)."""
+    factors = {None if v.lm is None else v.lm.factor for v in views}
+    return factors.pop() if len(factors) == 1 else None
+
+
+class _CurvePanels:
+    """The nine over-t panels of the curves figure, and what has been drawn on them.
+
+    ``loss``: every run is a language model's, so the accuracy panel shows test losses (lower is better)."""
+
+    def __init__(self, fig, overlay: bool, loss: bool = False) -> None:
         self.axes = fig.subplots(3, 3)
         (self.disp, self.norm, self.pc), (self.temp, self.acc, self.bytes), (self.k, self.coph, self.ari) = self.axes
         self.overlay = overlay
+        self.loss = loss
         self.points = 0  # drawn points, for the SVG size limit
         self.has = {id(ax): False for ax in self.axes.ravel()}
 
@@ -523,23 +545,25 @@ class _CurvePanels:
         if v.test_acc.size:
             self._ranks(v, col, lab)
         if v.consensus_acc.size:
-            plot(self.acc, v.consensus_t, v.consensus_acc, color=col if overlay else "k", linestyle="--", marker="s",
-                 markersize=3, label=None if overlay else "consensus model")
+            plot(self.acc, v.consensus_t, v.consensus_loss if self.loss else v.consensus_acc,
+                 color=col if overlay else "k", linestyle="--", marker="s", markersize=3,
+                 label=None if overlay else "consensus model")
         plot(self.k, rt, v.n_comm, color=col, drawstyle="steps-post", marker=".", label=lab)
         plot(self.coph, rt, v.cophenetic, color=col, marker=".", label=lab)
         if v.groups is not None:
             plot(self.ari, rt, v.ari, color=col, marker=".", label=lab)
 
     def _ranks(self, v: RunView, col, lab) -> None:
-        """Test accuracy and bytes sent: the mean over ranks, and each rank's line for a single run."""
+        """Test accuracy (or loss) and bytes sent: the mean over ranks, and each rank's line for a single run."""
         overlay, plot = self.overlay, self.plot
-        mean, ok = _nanmean_cols(v.test_acc)
+        scores = v.test_loss if self.loss else v.test_acc
+        mean, ok = _nanmean_cols(scores)
         tt = v.metric_t.astype(float)
         bands = v.n > LARGE_WORLD  # a population: quantile bands, not one line per rank
         if not overlay and ok.any() and bands:
-            self.points += _bands(self.acc, tt, v.test_acc, "C0")
+            self.points += _bands(self.acc, tt, scores, "C0")
         elif not overlay and ok.any():
-            self.points += _lines(self.acc, tt, v.test_acc, "C0")
+            self.points += _lines(self.acc, tt, scores, "C0")
             self.acc.plot([], [], color="C0", alpha=0.4, linewidth=0.6, label=f"each rank ({v.n})")
         plot(self.acc, tt[ok], mean, color=col if overlay else "C1", linewidth=2,
              label=lab if overlay else "mean over ranks")
@@ -552,12 +576,15 @@ class _CurvePanels:
         plot(self.bytes, tt[b_ok], b_mean, color=col if overlay else "C1", linewidth=2,
              label=lab if overlay else "mean over ranks")
 
-    def decorate(self) -> None:
-        """Titles, axis labels, grids, 'no data' on empty panels, integer and log scales."""
+    def decorate(self, factor: Optional[float] = None) -> None:
+        """Titles, axis labels, grids, 'no data' on empty panels, integer and log scales; a loss panel gets bits per
+        byte on its right (``factor``: the runs' shared bits per byte per nat per token)."""
         titles = {
             id(self.disp): "signature dispersion", id(self.norm): "merge update norm ||w_after - w_before||",
             id(self.pc): "p_cross schedule (flat law)", id(self.temp): "temperature schedule (hierarchical law)",
-            id(self.acc): "test accuracy" + (" (solid: rank mean, dashed: consensus)" if self.overlay else ""),
+            id(self.acc): (f"test loss, nats/token{' (right: bits/byte)' if factor is not None else ''}" if self.loss
+                           else "test accuracy")
+            + (" (solid: rank mean, dashed: consensus)" if self.overlay else ""),
             id(self.bytes): "bytes sent per rank, cumulative (MB)", id(self.k): "communities",
             id(self.coph): "cophenetic correlation", id(self.ari): "ARI vs planted groups",
         }
@@ -572,6 +599,8 @@ class _CurvePanels:
         from matplotlib.ticker import MaxNLocator
 
         self.k.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if self.loss and self.has[id(self.acc)]:
+            bits_axis(self.acc, factor, label=False)
         for ax in (self.disp, self.temp):
             ys = [ln.get_ydata() for ln in ax.get_lines()]
             if ys and all(np.all(np.asarray(y, float) > 0) for y in ys if len(y)):
@@ -583,11 +612,12 @@ def plot_curves(views: Sequence[RunView], out: Path, stem: str, svg: bool) -> Li
     overlay = len(views) > 1
     fig = _figure(15.0, 11.0)
     fig.subplots_adjust(left=0.05, right=0.985, bottom=0.05, top=0.92 if overlay else 0.93, hspace=0.38, wspace=0.18)
-    panels = _CurvePanels(fig, overlay)
+    loss = bool(views) and all(v.lm is not None for v in views)  # language models: judged by their loss
+    panels = _CurvePanels(fig, overlay, loss)
     colours = _palette(max(len(views), 1)) if overlay else [None]
     for v, c in zip(views, colours):
         panels.run(v, c)
-    panels.decorate()
+    panels.decorate(_shared_factor(views) if loss else None)
     if overlay:
         handles, labels = panels.k.get_legend_handles_labels()
         if not handles:  # runs without rounds: take the accuracy panel's
@@ -614,6 +644,7 @@ class RunFigures:
     views: Optional[List[str]] = None  # protocol async: how far each rank's views agreed with rank 0's
     privacy: Optional[List[str]] = None  # privacy.enabled: each replica's epsilon over t
     hyper: Optional[List[str]] = None  # pbt: each replica's learnt hyperparameters over t
+    loss: Optional[List[str]] = None  # a language model's: test and training losses over t
 
 
 def _views_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
@@ -657,6 +688,41 @@ def _privacy_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]
     return _save(fig, out, stem, svg)
 
 
+def _loss_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
+    """A language model's losses over t (nats per token, bits per byte on the right; lower is better): each rank's
+    test loss, their mean, the consensus model's and the ranks' mean training loss."""
+    assert view.lm is not None
+    fig = _figure(7, 3.6, constrained=True)
+    ax = fig.add_subplot()
+    t = view.metric_t.astype(float)
+    points = 0
+    if view.test_loss.size and np.isfinite(view.test_loss).any():
+        if view.n > LARGE_WORLD:
+            points += _bands(ax, t, view.test_loss, "C0")
+        else:
+            points += _lines(ax, t, view.test_loss, "C0", alpha=0.35, lw=0.7)
+            ax.plot([], [], color="C0", alpha=0.5, lw=0.7, label=f"each rank, test ({view.n})")
+        mean, ok = _nanmean_cols(view.test_loss)
+        ax.plot(t[ok], mean, color="C1", lw=2, label="rank mean, test")
+    if view.train_loss.size and np.isfinite(view.train_loss).any():
+        mean, ok = _nanmean_cols(view.train_loss)
+        ax.plot(t[ok], mean, color="C2", lw=1, ls=":", label="rank mean, training")
+    good = np.isfinite(view.consensus_loss)
+    if good.any():
+        ax.plot(view.consensus_t[good], view.consensus_loss[good], color="k", ls="--", marker="s", ms=3,
+                label="consensus model, test")
+    if not ax.get_lines() and not points:
+        ax.text(0.5, 0.5, "no loss recorded yet", transform=ax.transAxes, ha="center", va="center", color="0.5")
+    ax.set_xlabel("virtual time t")
+    ax.set_ylabel("loss, nats/token")
+    bits_axis(ax, view.lm.factor)
+    ax.set_title(f"{view.label}: loss (lower is better)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper right")
+    return _save(fig, out, stem, svg and points <= SVG_MAX_ELEMENTS)
+
+
 def _hyper_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str]:
     """pbt: each replica's learnt hyperparameters over t, coloured by its community in the last complete round
     (a population: each community's median and quantile bands). Log axes where a value spans a decade or more."""
@@ -692,6 +758,8 @@ def draw_run(view: RunView, out: Path, prefix: str, picked: Sequence[int], svg: 
     """One run's timeline (when it has rounds), merge matrix and the dendrograms of the ``picked`` rounds."""
     timeline = _timeline_figure(view, out, f"{prefix}timeline", svg) if view.infos else None
     figs = RunFigures(timeline, _merge_matrix_figure(view, out, f"{prefix}merge_matrix", svg))
+    if view.lm is not None:
+        figs.loss = _loss_figure(view, out, f"{prefix}loss", svg)
     if view.view_agreement:
         figs.views = _views_figure(view, out, f"{prefix}view_agreement", svg)
     if view.epsilon.size and np.isfinite(view.epsilon).any():

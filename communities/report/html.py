@@ -3,7 +3,7 @@
 What it writes to the report directory (``--out``), beside the figures of ``figures.py``:
 
 - ``index.html``: opens from disk (relative image paths, no server, no JS): the
-  curves, then per run its terminal summary, warnings, timeline, merge matrix,
+  curves, then per run its terminal summary, warnings, a language model's losses, timeline, merge matrix,
   dendrograms, the per-round table, ``summary.json`` and ``meta.json``; a
   comparison adds a table of the runs' summaries side by side;
 - ``rounds.csv``: the per-round table (t, communities, dispersion, cophenetic, ARI);
@@ -80,6 +80,11 @@ def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: s
     parts.append(f"<pre>{_e(summary_text(view))}</pre>")
     for msg in view.notes:
         parts.append(f'<p class="note">{_e(msg)}</p>')
+    if figs.loss is not None:
+        parts.append("<h3>Loss</h3><p>A language model: its test loss is the mean cross-entropy per token on the "
+                     "held-out windows, in nats (bits per byte on the right axis where the corpus's bytes per "
+                     "token are known); lower is better. Its accuracies are next-token accuracies.</p>")
+        parts.append(_img(figs.loss, "loss over t"))
     if figs.timeline is not None:
         parts.append("<h3>Community timeline</h3><p>Each round's communities are matched to the previous "
                      "round's by largest overlap: a community keeps its id (and colour) across rounds, the "

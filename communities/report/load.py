@@ -30,7 +30,7 @@ from scipy.spatial.distance import pdist
 
 from .. import manifest, runlock
 from ..core.clustering import adjusted_rand
-from ..results import ResultsError, Run, load_round, open_run, read_json, read_jsonl
+from ..results import LanguageModel, ResultsError, Run, load_round, open_run, read_json, read_jsonl
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -268,6 +268,11 @@ class RunView:
     hyper: Dict[str, np.ndarray] = field(default_factory=dict)  # pbt: each learnable value, N x T
     consensus_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
     consensus_acc: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # a language model's run: losses are nats per token, accuracies next-token accuracies (None: a classifier's)
+    lm: Optional[LanguageModel] = None
+    test_loss: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T (a language model's), NaN: none
+    train_loss: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # N x T (a language model's)
+    consensus_loss: np.ndarray = field(default_factory=lambda: np.zeros(0))  # at consensus_t
     merge_t: np.ndarray = field(default_factory=lambda: np.zeros(0))
     merge_norm: np.ndarray = field(default_factory=lambda: np.zeros(0))  # mean update norm per t
     merge_matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), int))
@@ -341,6 +346,8 @@ def _open_view(path: Path) -> RunView:
     name = str(summary.get("name") or run.config.get("name") or path.name)
     strategy = str(run.meta.get("strategy") or run.config.get("strategy") or summary.get("strategy") or "?")
     view = RunView(run=run, label=f"{name} ({strategy})", name=name, strategy=strategy, n=n, groups=groups)
+    with _reading(path / "summary.json"):
+        view.lm = LanguageModel.of_run(run.summary, run.partition, run.config)
     view.status = run_status(path, run.meta, view.notes)
     check_products(path, run.meta, view.notes)
     return view
@@ -448,6 +455,11 @@ def _read_metrics(view: RunView) -> None:
             view.bytes_sent = np.full((n, view.metric_t.size), np.nan)
             view.test_acc[rank, col] = acc
             view.bytes_sent[rank, col] = byt
+            if view.lm is not None:  # the loss curves: a language model's are what it is judged by
+                view.test_loss = np.full((n, view.metric_t.size), np.nan)
+                view.train_loss = np.full((n, view.metric_t.size), np.nan)
+                view.test_loss[rank, col] = [_num(r.get("test_loss")) for r in rows]
+                view.train_loss[rank, col] = [_num(r.get("loss")) for r in rows]
             if "epsilon" in rows[0]:
                 view.epsilon = np.full((n, view.metric_t.size), np.nan)
                 view.epsilon[rank, col] = [_num(r.get("epsilon")) for r in rows]
@@ -457,11 +469,12 @@ def _read_metrics(view: RunView) -> None:
 
 
 def _read_consensus(view: RunView) -> None:
-    """consensus.jsonl: the consensus model's test accuracy over t."""
+    """consensus.jsonl: the consensus model's test accuracy (and loss) over t."""
     with _reading(view.path / "consensus.jsonl"):
         rows = [r for r in view.run.consensus_evals() if r.get("test_acc") is not None]
         view.consensus_t = np.array([int(r["t"]) for r in rows], dtype=float)
         view.consensus_acc = np.array([float(r["test_acc"]) for r in rows], dtype=float)
+        view.consensus_loss = np.array([_num(r.get("test_loss")) for r in rows], dtype=float)
 
 
 def _read_merges(view: RunView) -> None:
@@ -599,6 +612,34 @@ def _final_accuracy(view: RunView) -> str:
     return "; ".join(parts) or "no evaluations yet"
 
 
+def loss_text(x: Optional[float], lm: LanguageModel) -> str:
+    """A language model's loss in both units: ``2.935 nats/token (4.234 bits/byte)``."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    bpb = lm.bpb(x)
+    return f"{fmt(x)} nats/token" + (f" ({fmt(bpb)} bits/byte)" if bpb is not None else "")
+
+
+def _final_loss(view: RunView, lm: LanguageModel) -> str:
+    """A language model's final losses (lower is better): from summary.json, or the last evaluations seen."""
+    s = view.run.record
+    if s is not None:
+        ranks = [x for x in (s.rank_test_loss or []) if x is not None]
+        return (f"consensus {loss_text(s.consensus_test_loss, lm)}" + (
+            f"; ranks mean {loss_text(s.mean_rank_loss, lm)}, best {fmt(min(ranks))}, worst {fmt(max(ranks))}"
+            if ranks else ""))
+    parts = []
+    if np.isfinite(view.consensus_loss).any():
+        k = int(np.flatnonzero(np.isfinite(view.consensus_loss))[-1])
+        parts.append(f"consensus {loss_text(float(view.consensus_loss[k]), lm)} (t={int(view.consensus_t[k])})")
+    if view.test_loss.size:
+        last = np.array([row[np.isfinite(row)][-1] if np.isfinite(row).any() else np.nan for row in view.test_loss])
+        if np.isfinite(last).any():
+            parts.append(f"ranks mean {loss_text(float(np.nanmean(last)), lm)}, best {fmt(float(np.nanmin(last)))}, "
+                         f"worst {fmt(float(np.nanmax(last)))} (last evaluations)")
+    return "; ".join(parts) or "no evaluations yet"
+
+
 def summary_text(view: RunView) -> str:
     """The terminal summary of one run: what a user wants to know before opening the report."""
     s = view.run.record
@@ -619,7 +660,11 @@ def summary_text(view: RunView) -> str:
         lines.append(struct)
     else:
         lines.append("rounds: 0 (no complete signature round)")
-    lines.append(f"final accuracy: {_final_accuracy(view)}")
+    if view.lm is not None:  # a language model: judged by its loss; its accuracy is a next-token accuracy
+        lines.append(f"final loss: {_final_loss(view, view.lm)}")
+        lines.append(f"next-token accuracy: {_final_accuracy(view)}")
+    else:
+        lines.append(f"final accuracy: {_final_accuracy(view)}")
     if s is None:
         lines.append("consensus: unknown (the run has no summary.json yet)")
     elif s.consensus_reached_t is not None:
@@ -628,7 +673,11 @@ def summary_text(view: RunView) -> str:
         lines.append(f"consensus not reached (final dispersion {fmt(s.final_dispersion, 4)}, {s.units} units)")
     if s is not None and s.consensus_mode:
         lines.append(f"consensus.mode {mode_text(s.consensus_mode)}")
-    if s is not None and s.local_test:
+    if s is not None and s.local_test and view.lm is not None:
+        lt = s.local_test
+        lines.append(f"local test loss: delivered ({lt.get('delivered')}) mean "
+                     f"{loss_text(lt.get('mean_loss'), view.lm)}; next-token accuracy {fmt(lt.get('mean_acc'))}")
+    elif s is not None and s.local_test:
         lt = s.local_test
         lines.append(f"local test accuracy: delivered ({lt.get('delivered')}) mean {fmt(lt.get('mean_acc'))}; "
                      f"own models {fmt(lt.get('mean_own_acc'))}, consensus {fmt(lt.get('mean_consensus_acc'))}")

@@ -1,7 +1,8 @@
 """``communities compare SPEC.yaml``: run strategies x seeds in the same engine and compare them.
 
 A spec (see ``configs/compare/``) names a base config, the strategies (each with
-optional overrides), the seeds, the world size, a target accuracy and an output
+optional overrides), the seeds, the world size, a target (an accuracy; for a
+language model a loss or bits per byte, where lower is better) and an output
 name. Every (strategy, seed) is its own job, launched one after another::
 
     mpiexec -n N python -m communities run BASE [spec overrides] [strategy overrides] \\
@@ -20,7 +21,7 @@ Spec keys::
     world_size: 8
     processes: 2                     # optional: MPI processes hosting the replicas (default: one per replica)
     seeds: [0, 1, 2]
-    target_accuracy: 0.9
+    target_accuracy: 0.9             # or target_loss (nats per token) or target_bpb (bits per byte): one of the three
     overrides: [consensus.stop=false]   # for every run (optional)
     strategies:
       - community                       # a strategy name ...
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -42,17 +44,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import ClassVar, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
 from ..errors import EXIT_USER
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools/ -> communities/ -> root)
-SPEC_KEYS = {"name", "base", "world_size", "processes", "seeds", "target_accuracy", "overrides", "strategies",
-             "launcher", "timeout", "description", "cases"}
+# the targets, one per spec: the consensus test accuracy to reach (higher is better), or a language model's
+# consensus test loss in nats per token or bits per byte to get down to (lower is better)
+TARGET_KEYS = ("target_accuracy", "target_loss", "target_bpb")
+SPEC_KEYS = {"name", "base", "world_size", "processes", "seeds", "overrides", "strategies", "launcher", "timeout",
+             "description", "cases", *TARGET_KEYS}
 # what a case of a multi-case spec may set (its own base config, world size, target, extra overrides)
-CASE_KEYS = {"name", "base", "world_size", "processes", "seeds", "target_accuracy", "overrides", "description"}
+CASE_KEYS = {"name", "base", "world_size", "processes", "seeds", "overrides", "description", *TARGET_KEYS}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -69,13 +74,54 @@ class Arm:
     overrides: List[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Target:
+    """When a run has reached its goal: the consensus test accuracy at or above ``value`` (``acc``), or its loss in
+    nats per token (``loss``) or bits per byte (``bpb``) at or below it: a language model's, lower is better."""
+
+    metric: str  # acc, loss or bpb: the consensus curve it reads (run_curve)
+    value: float
+
+    NAMES: ClassVar[Dict[str, str]] = {"acc": "accuracy", "loss": "loss", "bpb": "bpb"}
+
+    @property
+    def key(self) -> str:
+        """The spec's key (and compare.json's): target_accuracy, target_loss or target_bpb."""
+        return f"target_{self.NAMES[self.metric]}"
+
+    @property
+    def name(self) -> str:
+        return self.NAMES[self.metric]
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.metric != "acc"
+
+    def reached(self, values: np.ndarray) -> np.ndarray:
+        """Which of ``values`` meet the target (NaN, a missing figure, never does)."""
+        v = np.asarray(values, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            return np.isfinite(v) & ((v <= self.value) if self.lower_is_better else (v >= self.value))
+
+    def text(self) -> str:
+        """``0.9`` (an accuracy, as the tables always said), ``loss <= 2.5`` or ``bpb <= 3.6``."""
+        return f"{self.value:g}" if self.metric == "acc" else f"{self.metric} <= {self.value:g}"
+
+    def phrase(self) -> str:
+        """The target in a sentence: what a consensus evaluation must show."""
+        if self.metric == "acc":
+            return f"test accuracy >= {self.value:g}"
+        unit = "nats per token" if self.metric == "loss" else "bits per byte"
+        return f"test loss <= {self.value:g} {unit}"
+
+
 @dataclass
 class Spec:
     name: str
     base: Path
     world_size: int
     seeds: List[int]
-    target_accuracy: float
+    target_accuracy: Optional[float]  # None where the target is a loss (target_loss, target_bpb)
     arms: List[Arm]
     overrides: List[str] = field(default_factory=list)
     launcher: Optional[Union[str, List[str]]] = None
@@ -83,6 +129,17 @@ class Spec:
     path: Optional[Path] = None
     description: str = ""
     processes: Optional[int] = None  # MPI processes hosting the world_size replicas (None: one per replica)
+    target_loss: Optional[float] = None  # a language model's consensus test loss to reach, nats per token
+    target_bpb: Optional[float] = None  # ... or bits per byte
+
+    @property
+    def target(self) -> Target:
+        """The spec's one target."""
+        if self.target_loss is not None:
+            return Target("loss", self.target_loss)
+        if self.target_bpb is not None:
+            return Target("bpb", self.target_bpb)
+        return Target("acc", 0.9 if self.target_accuracy is None else self.target_accuracy)
 
 
 @dataclass
@@ -135,8 +192,9 @@ def load_specs(path: Union[str, Path]) -> List[Spec]:
     """The specs of a file: one, or one per entry of its ``cases`` (e.g. one per dataset).
 
     A case sets its own ``name`` (appended to the spec's), and may set ``base``,
-    ``world_size``, ``seeds``, ``target_accuracy``, ``description``, and
-    ``overrides`` (added to the spec's); the strategies are the spec's.
+    ``world_size``, ``seeds``, a target (``target_accuracy``, ``target_loss`` or
+    ``target_bpb``: it replaces the spec's), ``description``, and ``overrides``
+    (added to the spec's); the strategies are the spec's.
     """
     from ..config import ConfigError, read_yaml
 
@@ -156,7 +214,8 @@ def load_specs(path: Union[str, Path]) -> List[Spec]:
         if extra or "name" not in case:
             raise SpecError(f"{path}: cases[{k}]: " + (f"unknown key(s) {extra}; allowed: {sorted(CASE_KEYS)}"
                                                        if extra else "needs a name"))
-        merged = {key: v for key, v in raw.items() if key != "cases"}
+        own_target = any(key in case for key in TARGET_KEYS)  # a case's target replaces the spec's, of any kind
+        merged = {key: v for key, v in raw.items() if key != "cases" and not (own_target and key in TARGET_KEYS)}
         merged.update({key: v for key, v in case.items() if key != "overrides"})
         merged["name"] = f"{raw.get('name')}_{case['name']}"
         merged["overrides"] = _overrides(raw.get("overrides"), str(path)) + \
@@ -196,9 +255,7 @@ def spec_from_dict(raw, path: Optional[Path] = None) -> Spec:
                         f"{raw.get('seeds')!r}")
     if len(set(seeds)) != len(seeds):
         raise SpecError(f"{where}: seeds {seeds} repeat a seed")
-    target = raw.get("target_accuracy", 0.9)
-    if not isinstance(target, (int, float)) or not 0 < target <= 1:
-        raise SpecError(f"{where}: target_accuracy must lie in (0, 1], got {target!r}")
+    targets = parse_target(raw, where)
     arms = []
     strategies = raw["strategies"]
     if not isinstance(strategies, list) or not strategies:
@@ -231,9 +288,30 @@ def spec_from_dict(raw, path: Optional[Path] = None) -> Spec:
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise SpecError(f"{where}: timeout must be a positive number of seconds, got {timeout!r}")
     return Spec(name=name, base=_resolve_base(str(raw["base"]), path), world_size=ws, seeds=list(seeds),
-                target_accuracy=float(target), arms=arms, overrides=_overrides(raw.get("overrides"), where),
+                target_accuracy=targets.get("target_accuracy"), target_loss=targets.get("target_loss"),
+                target_bpb=targets.get("target_bpb"), arms=arms, overrides=_overrides(raw.get("overrides"), where),
                 launcher=launcher, timeout=timeout, path=path, description=str(raw.get("description") or ""),
                 processes=procs)
+
+
+def parse_target(raw: dict, where: str = "spec") -> Dict[str, float]:
+    """The spec's one target as ``{key: value}``: ``target_accuracy`` in (0, 1] (0.9 when none is given), or a
+    language model's ``target_loss`` (nats per token) or ``target_bpb`` (bits per byte), positive numbers where
+    lower is better."""
+    given = [k for k in TARGET_KEYS if raw.get(k) is not None]
+    if len(given) > 1:
+        raise SpecError(f"{where}: {' and '.join(given)} are set together; give one target: target_accuracy "
+                        "(consensus test accuracy, higher is better), or a language model's target_loss (nats per "
+                        "token) or target_bpb (bits per byte), lower is better")
+    key = given[0] if given else "target_accuracy"
+    value = raw.get(key, 0.9)
+    if key == "target_accuracy":
+        if not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise SpecError(f"{where}: target_accuracy must lie in (0, 1], got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        unit = "nats per token" if key == "target_loss" else "bits per byte"
+        raise SpecError(f"{where}: {key} must be a positive number ({unit}, lower is better), got {value!r}")
+    return {key: float(value)}
 
 
 # --------------------------------------------------------------------------- launching
@@ -298,21 +376,38 @@ def run_complete(path: Path) -> bool:
 
 
 def validate(spec: Spec, plans: Sequence[RunPlan]) -> List[str]:
-    """Config problems of each planned run (as ``communities validate`` would report them)."""
+    """Config problems of each planned run (as ``communities validate`` would report them), and a target_bpb that
+    its runs cannot report."""
     from ..config import ConfigError, load
 
     problems = []
     seen = set()
     for p in plans:
+        msg = ""
         try:
             cfg = load(spec.base, p.overrides)
             cfg.check_world(spec.world_size)
+            if spec.target.metric == "bpb" and corpus_bytes_per_token(cfg.data) is None:
+                msg = (f"{p.arm.label}: target_bpb needs a language model's corpus whose bytes per token are known "
+                       f"(data.dataset pystdlib or text, or tokens with data.lm.bytes_per_token), not "
+                       f"data.dataset={cfg.data.dataset!r}"
+                       + (" without data.lm.bytes_per_token" if cfg.data.dataset == "tokens" else "")
+                       + "; give target_loss (nats per token) instead")
         except ConfigError as exc:
             msg = f"{p.arm.label}: {exc}"
+        if msg:
             if msg not in seen:
                 seen.add(msg)
                 problems.append(msg)
     return problems
+
+
+def corpus_bytes_per_token(data) -> Optional[float]:
+    """The bytes per token of a DataConfig's corpus as its runs will record them (workload/text.py): 1 for the
+    byte corpora, data.lm.bytes_per_token for a token corpus, None otherwise (a classifier's data)."""
+    if data.dataset in ("pystdlib", "text"):
+        return 1.0
+    return data.lm.bytes_per_token if data.dataset == "tokens" else None
 
 
 def _child_env() -> dict:
@@ -370,7 +465,8 @@ def _read_jsonl(path: Path) -> List[dict]:
 
 
 def run_curve(path: Path) -> dict:
-    """One complete run's figures and its consensus curve: t, accuracy, bytes per rank, wall seconds.
+    """One complete run's figures and its consensus curve: t, accuracy, loss (nats per token), bits per byte (NaN
+    where unknown), bytes per rank, wall seconds; and a language model's training tokens per second per rank.
 
     ``wall`` is measured (the slowest rank's metrics.jsonl ``wall`` at that unit)
     when the run's rows carry the field, and ``wall_measured`` says so; a run
@@ -381,10 +477,13 @@ def run_curve(path: Path) -> dict:
     summary = Summary.read(path)
     units = int(summary.units)
     wall = float(summary.wall_time)
+    lm = summary.language_model
     evals = sorted(_read_jsonl(path / "consensus.jsonl"), key=lambda r: r["t"])
-    points = [(int(r["t"]), float(r["test_acc"])) for r in evals if r.get("test_acc") is not None]
+    points = [(int(r["t"]), float(r["test_acc"]), *_losses(r.get("test_loss"), r.get("test_bpb"), lm))
+              for r in evals if r.get("test_acc") is not None]
     if not points or points[-1][0] < units:
-        points.append((units, float(summary.consensus_test_acc)))
+        points.append((units, float(summary.consensus_test_acc),
+                       *_losses(summary.consensus_test_loss, summary.consensus_test_bpb, lm)))
     metrics = _read_jsonl(path / "metrics.jsonl")
     bytes_by_t = _bytes_after_unit(metrics, units, float(summary.bytes_sent_mean),
                                    trains_with_traffic=_sync_gradients(summary.strategy))
@@ -400,9 +499,42 @@ def run_curve(path: Path) -> dict:
     return {
         "summary": summary, "units": units, "wall_time": wall,
         "t": ts, "acc": np.array([p[1] for p in points]),
+        "loss": np.array([p[2] for p in points]), "bpb": np.array([p[3] for p in points]),
         "bytes": np.array([bytes_by_t(t) for t in ts]),
         "wall": walls, "wall_measured": measured,
+        "tokens_per_s": tokens_per_second(metrics, summary) if lm is not None else None,
     }
+
+
+def _losses(loss, bpb, lm) -> tuple:
+    """(loss, bits per byte) of a consensus evaluation as floats, NaN where unknown (bits per byte from the loss
+    where the run's bytes per token are known and the row predates its ``test_bpb``)."""
+    nats = float("nan") if loss is None else float(loss)
+    if bpb is None and lm is not None:
+        bpb = lm.bpb(nats)
+    return nats, float("nan") if bpb is None else float(bpb)
+
+
+def tokens_per_second(metrics: List[dict], summary) -> Optional[float]:
+    """A language model's training tokens per second per rank: each rank's windows trained (its last metrics.jsonl
+    ``samples``) x the context (summary ``context``), over its loop's wall time (summary ``time_split_per_rank``,
+    else the slowest rank's ``wall_time``: evaluations, exchanges and waits included), averaged over the ranks.
+    None without a context or a wall time."""
+    context = summary.context
+    if not context:
+        return None
+    samples: Dict[int, float] = {}
+    for m in metrics:
+        rank = int(m.get("rank", -1))
+        if rank >= 0 and m.get("samples") is not None:
+            samples[rank] = max(samples.get(rank, 0.0), float(m["samples"]))
+    walls = (summary.time_split_per_rank or {}).get("wall") or []
+    rates = []
+    for rank, n in samples.items():
+        wall = walls[rank] if rank < len(walls) else summary.wall_time
+        if wall and wall > 0:
+            rates.append(n * context / wall)
+    return float(np.mean(rates)) if rates else None
 
 
 def _sync_gradients(strategy: Optional[str]) -> bool:
@@ -489,17 +621,28 @@ def idle_share(path: Path, summary) -> Optional[float]:
     return float(np.mean([per["idle"][r] / per["wall"][r] for r in ranks if per["wall"][r] > 0]))
 
 
-def time_to_target(curve: dict, target: float) -> Optional[dict]:
-    """The first consensus evaluation at or above ``target``: its t, the bytes by then, the wall seconds by then."""
-    hit = np.flatnonzero(curve["acc"] >= target)
+def time_to_target(curve: dict, target: Union[float, Target]) -> Optional[dict]:
+    """The first consensus evaluation that meets ``target`` (a float: an accuracy, at or above it; a loss or bits
+    per byte: at or below it): its t, the bytes by then, the wall seconds by then, and its figure."""
+    if not isinstance(target, Target):
+        target = Target("acc", float(target))
+    values = curve.get(target.metric)
+    if values is None:
+        return None
+    hit = np.flatnonzero(target.reached(values))
     if hit.size == 0:
         return None
     k = int(hit[0])
     return {"t": float(curve["t"][k]), "bytes": float(curve["bytes"][k]), "wall": float(curve["wall"][k]),
-            "wall_measured": bool(curve.get("wall_measured", False)), "acc": float(curve["acc"][k])}
+            "wall_measured": bool(curve.get("wall_measured", False)), target.metric: float(values[k])}
 
 
-def _stats(values: Sequence[float]) -> dict:
+def finite(x) -> Optional[float]:
+    """A figure for JSON: None where missing or not finite."""
+    return None if x is None or not math.isfinite(float(x)) else float(x)
+
+
+def _stats(values: Sequence[Optional[float]]) -> dict:
     """mean and the sample standard deviation over seeds (ddof=1; null for a single seed)."""
     v = np.asarray([x for x in values if x is not None], dtype=np.float64)
     if v.size == 0:
@@ -523,6 +666,9 @@ def delivered(summary) -> str:
 
 
 def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
+    """compare.json: each run's figures and each strategy's over its seeds (a language model's runs add their
+    losses, bits per byte and tokens per second; ``_``-keys stay out of the file)."""
+    target = spec.target
     arms = {}
     runs = []
     curves: Dict[str, List[dict]] = {}
@@ -535,7 +681,7 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
         if run_complete(p.path):
             c = run_curve(p.path)
             s = c["summary"]
-            tt = time_to_target(c, spec.target_accuracy)
+            tt = time_to_target(c, target)
             entry.update(status="complete" if p.status == "pending" else p.status,
                          consensus_test_acc=s.consensus_test_acc, best_rank_acc=s.best_rank_acc,
                          bytes_sent_mean=s.bytes_sent_mean, wall_time=s.wall_time, units=s.units,
@@ -544,14 +690,23 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
                          retired_fraction=(s.examples or {}).get("retired_fraction"),
                          first_round_ari=s.first_round_ari, local_test_acc=(s.local_test or {}).get("mean_acc"),
                          delivered=delivered(s), epsilon=(s.privacy or {}).get("epsilon_max"))
+            if s.task is not None:  # a language model's: lower is better
+                entry.update(task=s.task, consensus_test_loss=finite(s.consensus_test_loss),
+                             consensus_test_bpb=s.consensus_test_bpb, tokens_per_s_per_rank=c["tokens_per_s"])
             curves.setdefault(p.arm.label, []).append({"seed": p.seed, **c})
         runs.append(entry)
+    language_models = any("task" in r for r in runs)
     for arm in spec.arms:
         mine = [r for r in runs if r["strategy"] == arm.label and "consensus_test_acc" in r]
         planned = [r for r in runs if r["strategy"] == arm.label]
         if not planned:
             continue
         hits = [r["target"] for r in mine if r["target"] is not None]
+        lm = {}
+        if language_models:  # the losses in both units, the training speed
+            lm = {key: _stats([r.get(key) for r in mine])
+                  for key in ("consensus_test_loss", "consensus_test_bpb", "tokens_per_s_per_rank")}
+        target_stats = {target.name: target.value, **({"lower_is_better": True} if target.lower_is_better else {})}
         arms[arm.label] = {
             "strategy": arm.strategy, "overrides": arm.overrides, "runs": len(mine), "planned": len(planned),
             "seeds": [r["seed"] for r in mine],
@@ -566,17 +721,44 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
             "first_round_ari": _stats([r["first_round_ari"] for r in mine if r["first_round_ari"] is not None]),
             "delivered": sorted({r["delivered"] for r in mine}),
             "epsilon": _stats([r["epsilon"] for r in mine if r.get("epsilon") is not None]),
-            "target": {"accuracy": spec.target_accuracy, "reached": len(hits), "of": len(mine),
+            **lm,
+            "target": {**target_stats, "reached": len(hits), "of": len(mine),
                        "t": _stats([h["t"] for h in hits]), "bytes": _stats([h["bytes"] for h in hits]),
                        "wall": _stats([h["wall"] for h in hits]),
                        "wall_measured": sum(1 for h in hits if h["wall_measured"])},
         }
     return {"name": spec.name, "base": str(spec.base), "world_size": spec.world_size, "seeds": spec.seeds,
-            "target_accuracy": spec.target_accuracy, "overrides": spec.overrides, "strategies": arms, "runs": runs,
-            "_curves": curves}
+            target.key: target.value, "overrides": spec.overrides, "strategies": arms, "runs": runs,
+            "_curves": curves, "_target": target}
 
 
 # --------------------------------------------------------------------------- writing
+
+
+# what the plots draw against bytes and wall time: a classifier's accuracy, a language model's loss (or bits per
+# byte when that is its target)
+CURVE_TITLES = {"acc": "accuracy", "loss": "loss", "bpb": "bits per byte"}
+CURVE_LABELS = {"acc": "consensus test accuracy", "loss": "consensus test loss (nats/token)",
+                "bpb": "consensus test loss (bits/byte)"}
+
+
+def target_of(agg: dict) -> Target:
+    """An aggregate's target (``aggregate``'s, or compare.json's ``target_accuracy``/``_loss``/``_bpb``)."""
+    if isinstance(agg.get("_target"), Target):
+        return agg["_target"]
+    for metric, name in Target.NAMES.items():
+        if agg.get(f"target_{name}") is not None:
+            return Target(metric, float(agg[f"target_{name}"]))
+    raise KeyError("the aggregate names no target (target_accuracy, target_loss or target_bpb)")
+
+
+def plotted_metric(target: Target, lm: bool) -> str:
+    """The curve the plots draw: the target's, except a language model's accuracy target draws its loss."""
+    return ("bpb" if target.metric == "bpb" else "loss") if lm else "acc"
+
+
+def _fmt(x: Optional[float], fmt: str = "{:.4f}") -> str:
+    return "-" if x is None else fmt.format(x)
 
 
 def _pm(st: dict, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
@@ -589,7 +771,9 @@ def _pm(st: dict, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
 
 
 def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
-    target = agg["target_accuracy"]
+    target = target_of(agg)
+    lm = any("task" in r for r in agg["runs"])  # language models: losses (lower is better) instead of accuracies
+    plotted = plotted_metric(target, lm)
     moving = any(r.get("data_bytes_mean") or r.get("retired_fraction") is not None for r in agg["runs"])
     personal = any(r.get("local_test_acc") is not None for r in agg["runs"])
     private = any(r.get("epsilon") is not None for r in agg["runs"])
@@ -627,18 +811,26 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
             "- *first-round ARI*: the first signature round's communities against the planted groups.",
             "",
         ]
+    quality = ("consensus test loss (nats/token) | bits/byte | next-token acc" if lm else
+               "consensus test acc | best-rank acc")
     lines += [
-        "| strategy | runs | consensus test acc | best-rank acc | MB sent / rank | wall s | idle % "
-        f"| reached {target:g} | t to target (units) | MB to target | wall s to target |"
+        f"| strategy | runs | {quality} | MB sent / rank | wall s | idle % |{' tokens/s / rank |' if lm else ''}"
+        f" reached {target.text()} | t to target (units) | MB to target | wall s to target |"
         + (" data MB / rank | retired % |" if moving else "") + (" epsilon |" if private else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if moving else "") + ("---|" if private else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if lm else "") + ("---|---|" if moving else "")
+        + ("---|" if private else ""),
     ]
     for label, a in agg["strategies"].items():
         tg = a["target"]
+        figures = (f"{_pm(a['consensus_test_loss'], '{:.3f}')} | {_pm(a['consensus_test_bpb'], '{:.3f}')} "
+                   f"| {_pm(a['consensus_test_acc'])}" if lm else
+                   f"{_pm(a['consensus_test_acc'])} | {_pm(a['best_rank_acc'])}")
         lines.append(
-            f"| {label} | {a['runs']}/{a['planned']} | {_pm(a['consensus_test_acc'])} | {_pm(a['best_rank_acc'])} "
+            f"| {label} | {a['runs']}/{a['planned']} | {figures} "
             f"| {_pm(a['bytes_sent_per_rank'], '{:.2f}', 1e-6)} | {_pm(a['wall_time'], '{:.1f}')} "
-            f"| {_pm(a['idle_share'], '{:.0f}', 100)} | {tg['reached']}/{tg['of']} | {_pm(tg['t'], '{:.0f}')} "
+            f"| {_pm(a['idle_share'], '{:.0f}', 100)} |"
+            + (f" {_pm(a['tokens_per_s_per_rank'], '{:.0f}')} |" if lm else "")
+            + f" {tg['reached']}/{tg['of']} | {_pm(tg['t'], '{:.0f}')} "
             f"| {_pm(tg['bytes'], '{:.2f}', 1e-6)} "
             f"| {_pm(tg['wall'], '{:.1f}')}{'' if tg['wall_measured'] == tg['reached'] else ' (est.)'} |"
             + (f" {_pm(a['data_bytes_per_rank'], '{:.3f}', 1e-6)} | {_pm(a['retired_fraction'], '{:.1f}', 100)} |"
@@ -648,8 +840,19 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "",
         "Figures are mean ± sample standard deviation (ddof=1) over the seeds that completed; one seed shows no ±.",
         "",
+    ]
+    lines += [
+        "- *consensus test loss*: the final Allreduce-mean model's mean cross-entropy per token on the shared "
+        "held-out windows, in nats (summary `consensus_test_loss`); *bits/byte*: the same over ln 2 and the "
+        "corpus's bytes per token (summary `consensus_test_bpb`; 1 byte per token for a byte corpus); "
+        "*next-token acc*: its share of next tokens predicted right.",
+        "- *tokens/s / rank*: the tokens a rank trained on (metrics.jsonl `samples`, windows, x summary `context`) "
+        "over its loop's wall time (summary `time_split_per_rank`), averaged over the ranks.",
+    ] if lm else [
         "- *consensus test acc*: the final Allreduce-mean model on the shared test split (summary.json).",
         "- *best-rank acc*: the best single rank's own model at the end.",
+    ]
+    lines += [
         "- *MB sent / rank*: bytes sent per rank over the run (mean over ranks; 1 MB = 10^6 bytes) as the engine "
         "counts them: exchanges and their metadata, signature allgathers, Allreduces (as ring traffic). The "
         "Allreduces that only evaluate the consensus model (summary `monitoring_bytes_mean`) and passed training "
@@ -662,7 +865,7 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "waits in exchanges, gathers and Allreduces), averaged over the ranks not slowed on purpose "
         "(`faults.speed`).",
         f"- *to target*: the first consensus evaluation (consensus.jsonl, every `output.consensus_every` or "
-        f"`train.eval_every` units, plus the final model) with test accuracy >= {target:g}; averaged over the "
+        f"`train.eval_every` units, plus the final model) with {target.phrase()}; averaged over the "
         "seeds that reached it. *MB to target* is the mean over ranks of the bytes sent up to and including "
         "that unit (metrics.jsonl `bytes_sent`, whose row t is written after unit t's training and before its "
         "exchanges: row t+1 for every strategy, less unit t+1's own gradient Allreduces for allreduce; "
@@ -673,12 +876,13 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         "weight snapshots taken every `output.snapshot_seconds` of wall clock (consensus.jsonl `wall`), its t "
         "the mean unit over the ranks then.",
         "",
-        "![consensus accuracy vs bytes](acc_vs_bytes.png)",
-        "![consensus accuracy vs wall time](acc_vs_wall.png)",
+        f"![consensus {CURVE_TITLES[plotted]} vs bytes]({plotted}_vs_bytes.png)",
+        f"![consensus {CURVE_TITLES[plotted]} vs wall time]({plotted}_vs_wall.png)",
         "",
         "## Runs",
         "",
-        "| run | strategy | seed | status | consensus acc | best-rank acc | MB / rank | wall s | t to target |"
+        f"| run | strategy | seed | status | {'consensus loss | bits/byte' if lm else 'consensus acc | best-rank acc'} "
+        "| MB / rank | wall s | t to target |"
         + (" delivered | local-test acc |" if personal else ""),
         "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if personal else ""),
     ]
@@ -686,8 +890,9 @@ def write_markdown(agg: dict, path: Path, spec: Spec) -> None:
         if "consensus_test_acc" in r:
             t = r["target"]["t"] if r["target"] else None
             local = r.get("local_test_acc")
-            lines.append(f"| {r['name']} | {r['strategy']} | {r['seed']} | {r['status']} | "
-                         f"{r['consensus_test_acc']:.4f} | {r['best_rank_acc']:.4f} | "
+            figures = (f"{_fmt(r.get('consensus_test_loss'))} | {_fmt(r.get('consensus_test_bpb'))}" if lm else
+                       f"{r['consensus_test_acc']:.4f} | {r['best_rank_acc']:.4f}")
+            lines.append(f"| {r['name']} | {r['strategy']} | {r['seed']} | {r['status']} | {figures} | "
                          f"{r['bytes_sent_mean'] / 1e6:.2f} | {r['wall_time']:.1f} | "
                          f"{'-' if t is None else f'{t:.0f}'} |"
                          + (f" {r['delivered']} | {'-' if local is None else f'{local:.4f}'} |" if personal else ""))
@@ -710,24 +915,27 @@ def write_plots(agg: dict, out_dir: Path) -> List[Path]:
     estimated = [c for curves in agg["_curves"].values() for c in curves if not c.get("wall_measured")]
     wall_label = ("wall time, s (slowest rank's metrics.jsonl wall)" if not estimated else
                   "wall time, s (estimated as wall_time * t / units for runs without metrics.jsonl wall)")
-    for key, xlabel, fname, scale in (("bytes", "MB sent per rank", "acc_vs_bytes.png", 1e-6),
-                                       ("wall", wall_label, "acc_vs_wall.png", 1.0)):
+    target = target_of(agg)
+    y = plotted_metric(target, any("task" in r for r in agg["runs"]))
+    for key, xlabel, fname, scale in (("bytes", "MB sent per rank", f"{y}_vs_bytes.png", 1e-6),
+                                       ("wall", wall_label, f"{y}_vs_wall.png", 1.0)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for k, (label, curves) in enumerate(agg["_curves"].items()):
             color = f"C{k % 10}"
             for c in curves:
-                ax.plot(c[key] * scale, c["acc"], color=color, alpha=0.25, lw=1)
+                ax.plot(c[key] * scale, c[y], color=color, alpha=0.25, lw=1)
             common = sorted(set.intersection(*[set(c["t"].tolist()) for c in curves]))
             if common:
                 xs = np.mean([[c[key][list(c["t"]).index(t)] for t in common] for c in curves], axis=0) * scale
-                ys = np.mean([[c["acc"][list(c["t"]).index(t)] for t in common] for c in curves], axis=0)
+                ys = np.mean([[c[y][list(c["t"]).index(t)] for t in common] for c in curves], axis=0)
                 ax.plot(xs, ys, color=color, lw=2, marker="o", ms=3, label=f"{label} (n={len(curves)})")
-        ax.axhline(agg["target_accuracy"], color="grey", ls=":", lw=1)
+        if target.metric == y:
+            ax.axhline(target.value, color="grey", ls=":", lw=1)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("consensus test accuracy")
+        ax.set_ylabel(CURVE_LABELS[y])
         ax.set_title(f"{agg['name']}: {agg['world_size']} ranks, mean over seeds (thin: each seed)")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper right" if y != "acc" else "lower right", fontsize=8)
         fig.tight_layout()
         p = out_dir / fname
         fig.savefig(p, dpi=110)
@@ -832,8 +1040,7 @@ def compare_one(spec: Spec, args) -> int:
             print(f"[{k}/{len(todo)}] {p.name} ...", end=" ", flush=True)
             execute(p, logs / f"{p.name}.log", timeout)
             if p.status == "done":
-                acc = json.loads((p.path / "summary.json").read_text())["consensus_test_acc"]
-                print(f"done in {p.seconds:.1f}s, consensus acc {acc:.4f}", flush=True)
+                print(f"done in {p.seconds:.1f}s, {_final_figure(p.path)}", flush=True)
             else:
                 failed += 1
                 print(f"FAILED ({p.error})", flush=True)
@@ -849,13 +1056,28 @@ def compare_one(spec: Spec, args) -> int:
     return 1 if failed else 0
 
 
+def _final_figure(path: Path) -> str:
+    """A finished run's headline: ``consensus acc 0.9756``, or a language model's loss in both units."""
+    s = json.loads((path / "summary.json").read_text())
+    if s.get("task") is None:
+        return f"consensus acc {s['consensus_test_acc']:.4f}"
+    bpb = s.get("consensus_test_bpb")
+    return (f"consensus loss {_fmt(finite(s.get('consensus_test_loss')), '{:.3f}')} nats/token"
+            + (f", {bpb:.3f} bits/byte" if bpb is not None else ""))
+
+
 def _summary_table(agg: dict) -> str:
     personal = any(a["local_test_acc"]["n"] for a in agg["strategies"].values())
-    rows = [["strategy", "runs", "consensus acc", "best-rank acc", "MB/rank", "wall s",
-             f"t to {agg['target_accuracy']:g}"] + (["local-test acc", "delivered"] if personal else [])]
+    lm = any("task" in r for r in agg["runs"])
+    figures = ["consensus loss", "bits/byte"] if lm else ["consensus acc", "best-rank acc"]
+    rows = [["strategy", "runs", *figures, "MB/rank", "wall s", *(["tokens/s/rank"] if lm else []),
+             f"t to {target_of(agg).text()}"] + (["local-test acc", "delivered"] if personal else [])]
     for label, a in agg["strategies"].items():
-        rows.append([label, f"{a['runs']}/{a['planned']}", _pm(a["consensus_test_acc"]), _pm(a["best_rank_acc"]),
+        quality = ([_pm(a["consensus_test_loss"], "{:.3f}"), _pm(a["consensus_test_bpb"], "{:.3f}")] if lm else
+                   [_pm(a["consensus_test_acc"]), _pm(a["best_rank_acc"])])
+        rows.append([label, f"{a['runs']}/{a['planned']}", *quality,
                      _pm(a["bytes_sent_per_rank"], "{:.2f}", 1e-6), _pm(a["wall_time"], "{:.1f}"),
+                     *([_pm(a["tokens_per_s_per_rank"], "{:.0f}")] if lm else []),
                      f"{_pm(a['target']['t'], '{:.0f}')} ({a['target']['reached']}/{a['target']['of']})"]
                     + ([_pm(a["local_test_acc"]), ", ".join(a["delivered"]) or "-"] if personal else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
