@@ -88,7 +88,9 @@ class Engine:
                                     device, self.replica.flat.numel())
         self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log,
                           lm=language_model(self.replica.data.dataset))
-        self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0)
+        text = self.replica.data.dataset.text
+        self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0,
+                                 None if text is None else text.bytes_per_token)
         parts: Dict[str, Stateful] = {
             "replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
             "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement, "faults": self.faults}

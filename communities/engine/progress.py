@@ -11,8 +11,10 @@ log = logging.getLogger(__name__)
 class Progress:
     """Progress of the loop as rank 0 shows it; silent on other ranks or with ``--no-progress``."""
 
-    def __init__(self, name: str, budget: int, enabled: bool):
+    def __init__(self, name: str, budget: int, enabled: bool, bytes_per_token: Optional[float] = None):
+        """``bytes_per_token`` (a language model's byte corpus: 1): the training loss also in bits per byte."""
         self.name, self.budget, self.enabled = name, budget, enabled
+        self.bytes_per_token = bytes_per_token
         self.bar = None
         if enabled:
             import sys
@@ -30,6 +32,8 @@ class Progress:
         c = communities if communities is not None else "-"
         disp = dispersion if math.isfinite(dispersion) else float("nan")
         info = f"communities={c} dispersion={disp:.3g} acc={acc:.3f} loss={loss:.3f}"
+        if self.bytes_per_token and math.isfinite(loss):
+            info += f" ({loss / math.log(2) / self.bytes_per_token:.3f} bits/byte)"
         if epsilon is not None:
             info += f" eps={epsilon:.3g}"
         if self.bar is not None:
