@@ -78,7 +78,7 @@ class Delivery:
         local = r.has_local_test
         nan = float("nan")
         row = dict.fromkeys(ROW, nan)
-        row["local_size"] = float(r.data.y_local.numel())
+        row["local_size"] = float(len(r.data.y_local))  # examples (a language model's: windows, not tokens)
         with self.timer("eval"):
             if local:
                 row["own_acc"], row["own_loss"] = r.evaluate_local()

@@ -111,8 +111,7 @@ def export(run_dir: Path, round_index: int, k: Optional[int] = None, height: Opt
     if flat.numel() != weights.shape[1]:
         raise ResultsError(f"{run_dir / 'snapshots'}: {weights.shape[1]} weights per rank, but the model of "
                            f"{run_dir / 'config.yaml'} has {flat.numel()}")
-    x_train, y_train = torch.as_tensor(ds.x_train), torch.as_tensor(ds.y_train)
-    x_test, y_test = torch.as_tensor(ds.x_test), torch.as_tensor(ds.y_test)
+    x_test, y_test = data.rows(ds.x_test, slice(None)), data.rows(ds.y_test, slice(None))
 
     def score(w, x, y):
         flat.copy_(w)
@@ -125,8 +124,9 @@ def export(run_dir: Path, round_index: int, k: Optional[int] = None, height: Opt
         members = np.flatnonzero(labels == c)
         local = []
         for m in members:
-            idx = torch.as_tensor(prepared.local_tests[m])
-            local.append(score(w, x_train[idx], y_train[idx])[0] if idx.numel() else float("nan"))
+            idx = prepared.local_tests[m]  # (rows: a token file's memmap reads these windows only)
+            local.append(score(w, data.rows(ds.x_train, idx), data.rows(ds.y_train, idx))[0] if idx.size
+                         else float("nan"))
         test_acc, test_loss = score(w, x_test, y_test)
         flat.copy_(w)
         buf = io.BytesIO()
