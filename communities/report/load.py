@@ -605,11 +605,16 @@ def _final_accuracy(view: RunView) -> str:
     if view.consensus_acc.size:
         parts.append(f"consensus {fmt(float(view.consensus_acc[-1]))} (t={int(view.consensus_t[-1])})")
     if view.test_acc.size:
-        last = np.array([row[np.isfinite(row)][-1] if np.isfinite(row).any() else np.nan for row in view.test_acc])
+        last = _last_finite(view.test_acc)
         if np.isfinite(last).any():
             parts.append(f"ranks mean {fmt(float(np.nanmean(last)))}, best {fmt(float(np.nanmax(last)))}, "
                          f"worst {fmt(float(np.nanmin(last)))} (last evaluations)")
     return "; ".join(parts) or "no evaluations yet"
+
+
+def _last_finite(rows: np.ndarray) -> np.ndarray:
+    """Each rank's last finite evaluation (NaN for a rank with none)."""
+    return np.array([row[np.isfinite(row)][-1] if np.isfinite(row).any() else np.nan for row in rows])
 
 
 def loss_text(x: Optional[float], lm: LanguageModel) -> str:
@@ -633,7 +638,7 @@ def _final_loss(view: RunView, lm: LanguageModel) -> str:
         k = int(np.flatnonzero(np.isfinite(view.consensus_loss))[-1])
         parts.append(f"consensus {loss_text(float(view.consensus_loss[k]), lm)} (t={int(view.consensus_t[k])})")
     if view.test_loss.size:
-        last = np.array([row[np.isfinite(row)][-1] if np.isfinite(row).any() else np.nan for row in view.test_loss])
+        last = _last_finite(view.test_loss)
         if np.isfinite(last).any():
             parts.append(f"ranks mean {loss_text(float(np.nanmean(last)), lm)}, best {fmt(float(np.nanmin(last)))}, "
                          f"worst {fmt(float(np.nanmax(last)))} (last evaluations)")
