@@ -90,7 +90,7 @@ class Engine:
                           lm=language_model(self.replica.data.dataset))
         text = self.replica.data.dataset.text
         self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0,
-                                 None if text is None else text.bytes_per_token)
+                                 bytes_per_token=None if text is None else text.bytes_per_token)
         parts: Dict[str, Stateful] = {
             "replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
             "log": self.log, "timer": self.timer, "traffic": world, "agreement": self.agreement, "faults": self.faults}

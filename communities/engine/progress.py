@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 class Progress:
     """Progress of the loop as rank 0 shows it; silent on other ranks or with ``--no-progress``."""
 
-    def __init__(self, name: str, budget: int, enabled: bool, bytes_per_token: Optional[float] = None):
+    def __init__(self, name: str, budget: int, enabled: bool, *, bytes_per_token: Optional[float] = None):
         """``bytes_per_token`` (a language model's byte corpus: 1): the training loss also in bits per byte."""
         self.name, self.budget, self.enabled = name, budget, enabled
         self.bytes_per_token = bytes_per_token

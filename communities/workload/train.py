@@ -49,8 +49,9 @@ def correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def scheduled(cfg) -> bool:
-    """Whether a TrainConfig's learning rate moves over the budget (train.schedule, train.warmup)."""
-    return cfg.schedule != "constant" or cfg.warmup > 0
+    """Whether a TrainConfig's learning rate moves over the budget (train.schedule, train.warmup); an object
+    without those keys (a caller's own settings with the optimizer's) keeps it constant."""
+    return getattr(cfg, "schedule", "constant") != "constant" or getattr(cfg, "warmup", 0.0) > 0
 
 
 def lr_factor(cfg, t: int, k: int, steps: int) -> float:
