@@ -207,6 +207,11 @@ class TrainConfig(_Section):
     wall_budget: Optional[float] = Field(
         None, gt=0, description="seconds of wall clock: under protocol async each rank stops training after this "
         "long; under the virtual clock every rank stops at the first signature round past it (null: none)")
+    after_budget: Literal["serve", "train"] = Field(
+        "serve", description="protocol async: what a rank does once its own budget units are done, until every "
+        "rank's are: serve (answer partners' requests only) or train (go on training units on its own shard, "
+        "merging as before, so that the slowest rank does not train its last units alone; the run then ends when "
+        "the slowest rank finishes its budget)")
     eval_every: int = Field(10, ge=1, description="units between test evaluations")
     schedule: Literal["constant", "cosine"] = Field(
         "constant", description="the learning rate over the budget: constant, or cosine decay to min_lr x lr at the "
@@ -733,6 +738,9 @@ class Config(_Section):
             if self.output.round_snapshots:
                 raise ValueError("output.round_snapshots=true needs protocol='virtual_clock' (signature rounds that "
                                  "every rank takes at the same unit)")
+        elif self.train.after_budget != "serve":
+            raise ValueError(f"train.after_budget={self.train.after_budget!r} needs protocol='async': under the "
+                             "virtual clock every rank finishes its budget at the same unit")
         return self
 
     @model_validator(mode="after")

@@ -11,9 +11,10 @@ exchange also carries signatures: each rank keeps a versioned table of everyone'
 
 Polling uses ``Iprobe`` between batches and in the waits, so the default MPI
 thread level suffices. A done rank serves until every rank is done (a polled
-``Ibarrier``); then the control messages still in flight are drained (their
-counts are exchanged with one ``Alltoall``), and the run ends as under the
-virtual clock.
+``Ibarrier``), or under ``train.after_budget: train`` first trains on, unit by
+unit, until every rank has finished its budget (another polled ``Ibarrier``);
+then the control messages still in flight are drained (their counts are
+exchanged with one ``Alltoall``), and the run ends as under the virtual clock.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class AsyncMixer(Mixer):
         self._stop_sent = False
         self._own_end: Optional[Tuple[str, int]] = None  # how this rank's latest request ended
         self._barrier: Optional[Any] = None  # the Ibarrier of the done phase, once posted
+        self._budgets_done: Optional[Any] = None  # train.after_budget train: the Ibarrier "every budget is done"
 
     # ------------------------------------------------------------------ what the loop asks
 
@@ -93,11 +95,31 @@ class AsyncMixer(Mixer):
         budget = self.cfg.train.wall_budget
         return StopReason.BUDGET if budget is not None and self.timer.elapsed() >= budget else None
 
+    def train_on(self) -> bool:
+        """train.after_budget train: True while some rank has not finished its budget, so this one, done, trains
+        another unit (merging and serving as before). Asked after each unit past the budget; the first call posts
+        an Ibarrier that completes once every rank has posted it at its own budget's end."""
+        if self.cfg.train.after_budget != "train":
+            return False
+        if self._budgets_done is None:
+            self._budgets_done = self.world.ibarrier()
+        return not self._budgets_done.Test()
+
     def drain(self) -> None:
-        """Serve until every rank is done (a polled Ibarrier), then read what is still addressed to this rank."""
+        """Serve until every rank is done (a polled Ibarrier), then read what is still addressed to this rank.
+
+        Under train.after_budget train a rank stopped early (a signal, the wall budget) posts the budgets'
+        Ibarrier here, so that both complete; that one is posted first on every rank, and so completes first.
+        A rank posts the done Ibarrier only once it initiates no more merges, so once it completes nobody will
+        send a GO (``_poll_once`` drops a held offer then).
+        """
+        if self.cfg.train.after_budget == "train" and self._budgets_done is None:
+            self._budgets_done = self.world.ibarrier()
         if self._barrier is None:
             barrier = self._barrier = self.world.ibarrier()
             self._wait(lambda: barrier.Test(), "Ibarrier: every rank done")
+        if self._budgets_done is not None:
+            self._budgets_done.Wait()  # complete: every rank posted it before the done Ibarrier
         expected = self.world.alltoall_counts(self.sent_to)
         for src in np.flatnonzero(self.got_from < expected):
             for _ in range(int(expected[src] - self.got_from[src])):

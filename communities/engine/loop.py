@@ -144,11 +144,16 @@ class Engine:
         self.survival.remember(self.t)
         while True:
             try:
+                ended = False
                 for t in range(self.t + 1, self.cfg.train.budget + 1):
                     self.t = t
                     if self._unit(t):
+                        ended = True
                         break
                     self.survival.unit_done(t)
+                while not ended and self.mixer.train_on():  # async, train.after_budget train: past the budget
+                    self.t += 1
+                    ended = self._unit(self.t)
                 self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
                 # (a resume of a run that reached its end but could not write it: the checkpoint loaded is the end)
                 if self.cfg.checkpoint.at_end and self.t != self.loaded_t:

@@ -113,6 +113,10 @@ class Mixer:
     def drain(self) -> None:
         """Nothing is in flight between units under the virtual clock."""
 
+    def train_on(self) -> bool:
+        """Whether this rank, its budget done, trains another unit (async's train.after_budget): never here."""
+        return False
+
     def annealed(self, t: int) -> bool:
         return self.strategy.annealed(t)
 
