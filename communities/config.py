@@ -390,6 +390,10 @@ class CommConfig(_Section):
     check_hashes: bool = Field(True, description="allgather a hash of exchange lists and communities each round")
     timeout: float = Field(600.0, ge=0, description="seconds a rank may block in one MPI wait before the watchdog "
                                                     "aborts the job naming who it waited for (0: no watchdog)")
+    exchange: Literal["sendrecv", "posted"] = Field(
+        "sendrecv", description="protocol async: sendrecv: the pair meets in blocking Sendrecvs (the requester "
+        "waits for its partner's next batch boundary); posted: each side posts a copy of its weights and trains on, "
+        "and merges the partner's when it has arrived, by a displacement that conserves the pair's sum")
     fault_tolerance: Literal["abort", "shrink"] = Field(
         "abort", description="abort: a lost rank ends the job (resume from the last checkpoint); shrink: the "
         "survivors shrink the communicator and go on (needs an MPI with ULFM: Open MPI 5 with --with-ft ulfm)")
@@ -738,10 +742,34 @@ class Config(_Section):
             if self.output.round_snapshots:
                 raise ValueError("output.round_snapshots=true needs protocol='virtual_clock' (signature rounds that "
                                  "every rank takes at the same unit)")
+            posted = self._posted_refusal()
+            if posted is not None:
+                raise ValueError(f"comm.exchange='posted' is refused with {posted}: a posted exchange carries the "
+                                 "weights, a header and signature rows only")
+        elif self.comm.exchange != "sendrecv":
+            raise ValueError(f"comm.exchange={self.comm.exchange!r} needs protocol='async' (the virtual clock's "
+                             "exchange lists are walked in order, each a blocking Sendrecv)")
         elif self.train.after_budget != "serve":
             raise ValueError(f"train.after_budget={self.train.after_budget!r} needs protocol='async': under the "
                              "virtual clock every rank finishes its budget at the same unit")
         return self
+
+    def _posted_refusal(self) -> Optional[str]:
+        """What a posted exchange cannot carry, by name (None: nothing in the way)."""
+        if self.comm.exchange != "posted":
+            return None
+        mc = self.merge
+        if mc.optimizer_state == "average":
+            return "merge.optimizer_state='average' (the optimizer moments)"
+        if mc.partner_policy == "least_recent":
+            return "merge.partner_policy='least_recent' (the seen-at table)"
+        if mc.outer.enabled:
+            return "merge.outer.enabled=true (an outer step on the merge)"
+        if self.examples.pass_hard:
+            return "examples.pass_hard=true (hard examples)"
+        if self.pbt.enabled:
+            return "pbt.enabled=true (scores and hyperparameters)"
+        return None
 
     @model_validator(mode="after")
     def _privacy(self):

@@ -64,6 +64,22 @@ def interpolate_(mine: torch.Tensor, theirs: torch.Tensor, a: float) -> None:
         mine.lerp_(theirs, a)
 
 
+def displace_(mine: torch.Tensor, theirs: torch.Tensor, sent: torch.Tensor, a: float) -> float:
+    """In place: ``mine <- mine + a (theirs - sent)``; returns ``||theirs - sent||``. ``sent`` is overwritten.
+
+    The merge of a posted exchange (``comm.exchange: posted``), where each side
+    goes on training between posting a copy of its weights (``sent``) and
+    merging the partner's. Applied on both sides with the same ``a``, the two
+    displacements cancel: the pair's sum is conserved whatever either side
+    trained meanwhile, and with nothing trained in between it is ``interpolate_``.
+    """
+    torch.sub(theirs, sent, out=sent)
+    distance = float(torch.linalg.vector_norm(sent, dtype=torch.float64))
+    if a != 0.0:
+        mine.add_(sent.to(mine.device), alpha=a)
+    return distance
+
+
 class OuterOptimizer:
     """DiLoCo-style outer step: treat ``w_before - w_merged`` as a pseudo-gradient.
 

@@ -62,6 +62,7 @@ class AsyncMixer(Mixer):
         self._own_end: Optional[Tuple[str, int]] = None  # how this rank's latest request ended
         self._barrier: Optional[Any] = None  # the Ibarrier of the done phase, once posted
         self._budgets_done: Optional[Any] = None  # train.after_budget train: the Ibarrier "every budget is done"
+        self.width = CONTROL_WIDTH  # int64 per control message
 
     # ------------------------------------------------------------------ what the loop asks
 
@@ -123,9 +124,16 @@ class AsyncMixer(Mixer):
         expected = self.world.alltoall_counts(self.sent_to)
         for src in np.flatnonzero(self.got_from < expected):
             for _ in range(int(expected[src] - self.got_from[src])):
-                self.world.recv_ints(int(src), Tag.CONTROL, CONTROL_WIDTH)  # stale: its exchange is over
+                self._stale(int(src), self.world.recv_ints(int(src), Tag.CONTROL, self.width))
         self.got_from[:] = expected
+        self._finish_in_flight()
         self.world.complete_posts()
+
+    def _stale(self, src: int, values: np.ndarray) -> None:
+        """A control message read after every rank is done: its exchange is over (blocking exchanges)."""
+
+    def _finish_in_flight(self) -> None:
+        """Complete what is still posted once every control message is read (nothing, for blocking exchanges)."""
 
     # ------------------------------------------------------------------ serving
 
@@ -137,7 +145,7 @@ class AsyncMixer(Mixer):
 
     def _poll_once(self) -> None:
         while True:
-            got = self.world.poll_ints(Tag.CONTROL, CONTROL_WIDTH)
+            got = self.world.poll_ints(Tag.CONTROL, self.width)
             if got is None:
                 break
             src, a = got
@@ -146,13 +154,20 @@ class AsyncMixer(Mixer):
             if kind == Kind.STOP:
                 self.stop_received = True
                 continue
-            msg = Message(kind, src, int(a[1]), int(a[2]), int(a[3]))
-            self._act(self.rz.receive(msg, time.monotonic(), self.t))
-        self._act(self.rz.tick(time.monotonic()))
-        if self._barrier is not None and self.rz.offer is not None and self._barrier.Test():
-            self.rz.offer = None  # every rank is done: nobody will send the GO
+            self._received(Message(kind, src, int(a[1]), int(a[2]), int(a[3])), a[CONTROL_WIDTH:])
+        self._after_poll()
         if self.snapshots is not None:
             self.snapshots.maybe(self.timer.elapsed(), self.replica.flat, self.t)
+
+    def _received(self, msg: Message, extra: np.ndarray) -> None:
+        """One pairing message (``extra``: what follows its four numbers; nothing here)."""
+        self._act(self.rz.receive(msg, time.monotonic(), self.t))
+
+    def _after_poll(self) -> None:
+        """Timeouts; and once every rank is done, an offer held is dropped: nobody will send its GO."""
+        self._act(self.rz.tick(time.monotonic()))
+        if self._barrier is not None and self.rz.offer is not None and self._barrier.Test():
+            self.rz.offer = None
 
     def _wait(self, done, what: str) -> None:
         """Poll (serving) until ``done()``; the time counts as idle."""
@@ -174,8 +189,12 @@ class AsyncMixer(Mixer):
             self._run_exchange(out.exchange)
 
     def _post(self, m: Message) -> None:
-        self.world.post_ints(np.array([int(m.kind), m.rid, m.unit, m.flags], dtype=np.int64), m.peer, Tag.CONTROL)
+        self.world.post_ints(self._control(m), m.peer, Tag.CONTROL)
         self.sent_to[m.peer] += 1
+
+    def _control(self, m: Message) -> np.ndarray:
+        """A control message on the wire: kind, request id, the sender's unit, flags."""
+        return np.array([int(m.kind), m.rid, m.unit, m.flags], dtype=np.int64)
 
     # ------------------------------------------------------------------ requesting
 

@@ -142,6 +142,9 @@ def merge_chunks_(flat: torch.Tensor, theirs: torch.Tensor, a: float, buffers: C
     return math.sqrt(total) if distance else float("nan")
 
 
+HEADER_FIELDS = 5  # the numbers of a header without pbt's
+
+
 @dataclass(frozen=True)
 class Header:
     """What partners swap before the payload (float64 numbers, no pickle): all that sizes it.
@@ -166,7 +169,7 @@ class Header:
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> "Header":
-        pbt = len(a) > 5
+        pbt = len(a) > HEADER_FIELDS
         return cls(float(a[0]), float(a[1]), int(a[2]), max(0, int(a[3])), bool(a[4]),
                    float(a[5]) if pbt else 0.0, bool(a[6]) if pbt else False,
                    tuple(float(v) for v in a[7:]) if pbt else ())

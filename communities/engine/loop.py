@@ -155,6 +155,7 @@ class Engine:
                     self.t += 1
                     ended = self._unit(self.t)
                 self.mixer.drain()  # async: serve until every rank is done; then the ranks are together again
+                self.consensus.record(self.log.merges(self.mixer.late_events()))  # (async: merges in the drain)
                 # (a resume of a run that reached its end but could not write it: the checkpoint loaded is the end)
                 if self.cfg.checkpoint.at_end and self.t != self.loaded_t:
                     self.checkpoints.save(self.t, final=True)
@@ -187,6 +188,7 @@ class Engine:
             return True
         if reason == StopReason.SIGNAL:
             self.mixer.drain()
+            self.consensus.record(self.log.merges(self.mixer.late_events()))
             self._share_failure()
             self.checkpoints.save(t)
             self._preempt(t)

@@ -65,6 +65,10 @@ class Mixer:
         """Unit t's mixing step (every rank trained unit t); returns this rank's merge events."""
         self.seen_at[self.rank] = t
         self._step(t)
+        return self.late_events()
+
+    def late_events(self) -> List[MergeRow]:
+        """The merge events recorded since the last ``mix`` (async: exchanges served or completed in a drain)."""
         events, self._events = self._events, []
         return events
 

@@ -17,6 +17,7 @@ from .async_mixer import AsyncMixer
 from .consensus import AsyncConsensus, Consensus
 from .gossip_rounds import GossipRounds
 from .mixer import Mixer
+from .posted_mixer import PostedMixer
 from .replica import Replica
 from .rounds import SignatureRounds
 from .timer import Timer
@@ -34,8 +35,9 @@ def build(cfg: Config, world: World, timer: Timer, replica: Replica, agreement: 
     if cfg.protocol == "async":
         gossip = GossipRounds(cfg, world, timer, replica=replica, agreement=agreement)
         consensus = AsyncConsensus(cfg, world, timer, replica=replica)
-        mixer = AsyncMixer(cfg, world, timer, replica=replica, agreement=agreement, table=gossip.table,
-                           snapshots=consensus.snapshots)
+        kind = PostedMixer if cfg.comm.exchange == "posted" else AsyncMixer
+        mixer = kind(cfg, world, timer, replica=replica, agreement=agreement, table=gossip.table,
+                     snapshots=consensus.snapshots)
         return Parts(gossip, mixer, consensus, collective_log=False)
     rounds = SignatureRounds(cfg, world, timer, replica=replica, agreement=agreement)
     return Parts(rounds, Mixer(cfg, world, timer, replica=replica, agreement=agreement),

@@ -92,6 +92,27 @@ class PointToPoint(LogicalRanks):
             self.comm.Recv(buf, source=source, tag=tag)
         return buf
 
+    # -- posted halves of an exchange (comm.exchange: posted): started now, tested between batches
+
+    def isend(self, buf: Any, peer: int, tag: int) -> Any:
+        """A non-blocking send of a contiguous CPU tensor or array; the caller keeps ``buf`` until it completes."""
+        self.bytes_sent += buf.numel() * buf.element_size() if torch.is_tensor(buf) else buf.nbytes
+        return self.comm.Isend(_mpi_buffer(buf), dest=self._p(peer), tag=tag)
+
+    def irecv(self, buf: Any, peer: int, tag: int) -> Any:
+        """A non-blocking receive into a contiguous CPU tensor or array of the expected size."""
+        return self.comm.Irecv(_mpi_buffer(buf), source=self._p(peer), tag=tag)
+
+    def poll_floats(self, peer: int, tag: int) -> Optional[np.ndarray]:
+        """A waiting float64 vector of any length from ``peer`` with ``tag``, or None (Iprobe: never blocks)."""
+        status = self.MPI.Status()
+        if not self.comm.Iprobe(source=self._p(peer), tag=tag, status=status):
+            return None
+        buf = np.empty(status.Get_count(self.MPI.DOUBLE), dtype=np.float64)
+        with self.watchdog.waiting(f"Recv of a probed message from rank {peer}"):
+            self.comm.Recv(buf, source=self._p(peer), tag=tag)
+        return buf
+
     def complete_posts(self) -> None:
         """Wait for every non-blocking send still in flight (before finalising, or a collective phase)."""
         with self.watchdog.waiting("completion of non-blocking sends"):
@@ -102,3 +123,14 @@ class PointToPoint(LogicalRanks):
     def ibarrier(self):
         """A non-blocking barrier: ``Test()`` is True once every rank has posted it."""
         return self.comm.Ibarrier()
+
+
+def _mpi_buffer(buf: Any) -> Any:
+    """What mpi4py takes for a contiguous CPU tensor (its bytes, by the buffer protocol) or array."""
+    if torch.is_tensor(buf):
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError("posted sends and receives need contiguous CPU tensors")
+        return buf.view(-1).view(torch.uint8).numpy()
+    if not buf.flags.c_contiguous:
+        raise ValueError("posted sends and receives need contiguous arrays")
+    return buf

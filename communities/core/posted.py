@@ -1,0 +1,148 @@
+"""The pairing rule of posted exchanges (``comm.exchange: posted``): nobody waits for a partner's batch.
+
+Pure state machine, no MPI, like ``rendezvous.py``; the engine feeds it the
+control messages a rank receives and acts on what it returns
+(``engine/posted_mixer.py``). Under the blocking rule both sides of an exchange
+meet in one ``Sendrecv``, so whoever asks waits for the partner's next batch
+boundary. Here each side *posts* its half and trains on:
+
+1. A rank with nothing in flight sends ``REQ`` to its partner and trains on; it
+   has at most one request of its own outstanding, and answers every other
+   request ``BUSY`` meanwhile, except a *crossed* one (from its own target),
+   which the pair serves once, as the lower rank's (as in ``rendezvous.py``).
+2. A rank with nothing in flight that reads a ``REQ`` *accepts* it: it posts its
+   half (a copy of its weights, its header and the signature rows the
+   requester lacks) and answers ``ACK``. It does not wait for anything.
+3. A requester that reads the ``ACK`` posts its half. An ``ACK`` always commits:
+   one that answers a request given up after ``timeout`` is honoured all the
+   same, since its sender has posted and waits for the other half. So every
+   half that is posted is received, and no message is left unmatched.
+4. Each side merges when both halves have arrived, at a batch boundary of its
+   own, by the displacement rule (``merge.displace_``), which conserves the
+   pair's sum whatever either side trained in between.
+
+A rank with an exchange in flight accepts nobody (``BUSY``), nor a rank whose
+request to it timed out unanswered, so a pair has at most one exchange in flight
+and the messages of two exchanges are never confused. Nothing here blocks; every wait is a poll between batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .rendezvous import Kind, Message
+
+
+@dataclass(frozen=True)
+class Flight:
+    """An exchange this rank has committed to and posted its half of (or must now post)."""
+
+    partner: int
+    initiator: int
+    rid: int
+    partner_unit: int  # the partner's unit, from its REQ or ACK
+    flags: int  # the request's flags (SIGNATURES_ONLY: no weights travel)
+
+
+@dataclass
+class _Request:
+    target: int
+    rid: int
+    since: float
+    flags: int
+
+
+@dataclass
+class Outcome:
+    """What handling a message (or a tick) decided: messages to send, a half to post, a request that ended."""
+
+    send: List[Message] = field(default_factory=list)
+    post: Optional[Flight] = None  # post this side's half of this exchange now
+    ended: Optional[Tuple[str, int]] = None  # (busy | timeout | superseded | posted, partner) of this rank's request
+
+
+class PostedRendezvous:
+    """One rank's side of the posted pairing rule."""
+
+    def __init__(self, rank: int, timeout: float):
+        self.rank, self.timeout = int(rank), float(timeout)
+        self.request: Optional[_Request] = None  # my outstanding REQ, awaiting ACK or BUSY
+        self.flights: Dict[int, Flight] = {}  # partner -> an exchange posted and not yet merged
+        self.given_up: Dict[Tuple[int, int], int] = {}  # (target, rid) -> flags of requests that timed out
+        self._next_rid = 0
+
+    @property
+    def free(self) -> bool:
+        """Neither a request outstanding nor an exchange in flight: may ask, and accepts."""
+        return self.request is None and not self.flights
+
+    def ask(self, target: int, now: float, unit: int = 0, flags: int = 0) -> Message:
+        if not self.free:
+            raise RuntimeError(f"rank {self.rank}: a request while one is outstanding or an exchange in flight")
+        if target == self.rank:
+            raise ValueError("a rank cannot merge with itself")
+        self._next_rid += 1
+        self.request = _Request(int(target), self._next_rid, now, flags)
+        return Message(Kind.REQ, int(target), self._next_rid, unit, flags)
+
+    def receive(self, msg: Message, now: float, unit: int = 0) -> Outcome:
+        out = Outcome()
+        k, peer, rid = msg.kind, msg.peer, msg.rid
+        if k == Kind.REQ:
+            crossed = self.request is not None and self.request.target == peer
+            if crossed and peer > self.rank:
+                pass  # drop it: the peer, the higher rank, accepts my request
+            elif any(target == peer for target, _ in self.given_up):
+                # my request to the peer timed out, but its ACK may still come (and commit us): not now
+                out.send.append(Message(Kind.BUSY, peer, rid, unit))
+            elif crossed or self.free:
+                if crossed:
+                    out.ended = ("superseded", peer)
+                    self.request = None
+                if not self.flights:
+                    out.post = self._commit(Flight(peer, peer, rid, msg.unit, msg.flags))
+                    out.send.append(Message(Kind.ACK, peer, rid, unit))
+                else:  # (crossed while an honoured late exchange is still in flight)
+                    out.send.append(Message(Kind.BUSY, peer, rid, unit))
+            else:
+                out.send.append(Message(Kind.BUSY, peer, rid, unit))
+        elif k == Kind.ACK:
+            r = self.request
+            if r is not None and r.target == peer and r.rid == rid:
+                self.request = None
+                out.ended = ("posted", peer)
+                out.post = self._commit(Flight(peer, self.rank, rid, msg.unit, r.flags))
+            elif (peer, rid) in self.given_up:  # the partner posted its half: honour it
+                flags = self.given_up.pop((peer, rid))
+                out.post = self._commit(Flight(peer, self.rank, rid, msg.unit, flags))
+            else:
+                raise RuntimeError(f"rank {self.rank}: ACK {rid} from rank {peer} answers no request of mine")
+        elif k == Kind.BUSY:
+            r = self.request
+            if r is not None and r.target == peer and r.rid == rid:
+                self.request = None
+                out.ended = ("busy", peer)
+            self.given_up.pop((peer, rid), None)
+        else:
+            raise ValueError(f"{k.name} is not a message of the posted pairing rule")
+        return out
+
+    def _commit(self, flight: Flight) -> Flight:
+        if flight.partner in self.flights:
+            raise RuntimeError(f"rank {self.rank}: a second exchange in flight with rank {flight.partner}")
+        self.flights[flight.partner] = flight
+        return flight
+
+    def merged(self, partner: int) -> None:
+        """Both halves of the exchange with ``partner`` arrived and were merged."""
+        del self.flights[partner]
+
+    def tick(self, now: float) -> Outcome:
+        """Give up a request that outlasted ``timeout`` (its ACK, if it comes, is still honoured)."""
+        out = Outcome()
+        r = self.request
+        if r is not None and now - r.since > self.timeout:
+            self.given_up[(r.target, r.rid)] = r.flags
+            out.ended = ("timeout", r.target)
+            self.request = None
+        return out
