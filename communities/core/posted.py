@@ -6,24 +6,28 @@ control messages a rank receives and acts on what it returns
 meet in one ``Sendrecv``, so whoever asks waits for the partner's next batch
 boundary. Here each side *posts* its half and trains on:
 
-1. A rank with nothing in flight sends ``REQ`` to its partner and trains on; it
-   has at most one request of its own outstanding, and answers every other
-   request ``BUSY`` meanwhile, except a *crossed* one (from its own target),
-   which the pair serves once, as the lower rank's (as in ``rendezvous.py``).
-2. A rank with nothing in flight that reads a ``REQ`` *accepts* it: it posts its
-   half (a copy of its weights, its header and the signature rows the
-   requester lacks) and answers ``ACK``. It does not wait for anything.
+1. A rank sends ``REQ`` to its partner and trains on. It has at most one
+   request of its own outstanding, and at most ``max_flights`` exchanges in
+   flight or asked for (a late answer honoured, below, may add one).
+2. A rank that reads a ``REQ`` *accepts* it, unless it already has an exchange
+   in flight with that rank or ``max_flights`` of them, or its own request to
+   that rank timed out unanswered (``BUSY`` then). Accepting, it posts its half
+   (a copy of its weights, its header and the signature rows the requester
+   lacks) and answers ``ACK``; it does not wait for anything. A *crossed*
+   request (from its own target) is served once, as the lower rank's (as in
+   ``rendezvous.py``).
 3. A requester that reads the ``ACK`` posts its half. An ``ACK`` always commits:
    one that answers a request given up after ``timeout`` is honoured all the
    same, since its sender has posted and waits for the other half. So every
    half that is posted is received, and no message is left unmatched.
 4. Each side merges when both halves have arrived, at a batch boundary of its
    own, by the displacement rule (``merge.displace_``), which conserves the
-   pair's sum whatever either side trained in between.
+   pair's sum whatever either side trained, or merged with others, in between.
 
-A rank with an exchange in flight accepts nobody (``BUSY``), nor a rank whose
-request to it timed out unanswered, so a pair has at most one exchange in flight
-and the messages of two exchanges are never confused. Nothing here blocks; every wait is a poll between batches.
+Since nothing blocks, a rank may take part in several exchanges at once (the
+blocking rule's ``BUSY`` kept waits from forming cycles; here there are no
+waits); a pair has at most one in flight, so the messages of two exchanges are
+never confused.
 """
 from __future__ import annotations
 
@@ -61,26 +65,39 @@ class Outcome:
     ended: Optional[Tuple[str, int]] = None  # (busy | timeout | superseded | posted, partner) of this rank's request
 
 
+MAX_FLIGHTS = 4  # exchanges one rank may have in flight: each holds a copy of the weights and a receive buffer
+
+
 class PostedRendezvous:
     """One rank's side of the posted pairing rule."""
 
-    def __init__(self, rank: int, timeout: float):
-        self.rank, self.timeout = int(rank), float(timeout)
+    def __init__(self, rank: int, timeout: float, max_flights: int = MAX_FLIGHTS):
+        if max_flights < 1:
+            raise ValueError(f"max_flights={max_flights} must be at least 1")
+        self.rank, self.timeout, self.max_flights = int(rank), float(timeout), int(max_flights)
         self.request: Optional[_Request] = None  # my outstanding REQ, awaiting ACK or BUSY
         self.flights: Dict[int, Flight] = {}  # partner -> an exchange posted and not yet merged
         self.given_up: Dict[Tuple[int, int], int] = {}  # (target, rid) -> flags of requests that timed out
         self._next_rid = 0
 
     @property
-    def free(self) -> bool:
-        """Neither a request outstanding nor an exchange in flight: may ask, and accepts."""
+    def can_ask(self) -> bool:
+        """No request of its own outstanding, and room for another exchange in flight."""
+        return self.request is None and len(self.flights) < self.max_flights
+
+    @property
+    def settled(self) -> bool:
+        """Nothing outstanding and nothing in flight."""
         return self.request is None and not self.flights
 
     def ask(self, target: int, now: float, unit: int = 0, flags: int = 0) -> Message:
-        if not self.free:
-            raise RuntimeError(f"rank {self.rank}: a request while one is outstanding or an exchange in flight")
+        if not self.can_ask:
+            raise RuntimeError(f"rank {self.rank}: a request while one is outstanding or {self.max_flights} "
+                               "exchanges are in flight")
         if target == self.rank:
             raise ValueError("a rank cannot merge with itself")
+        if target in self.flights:
+            raise RuntimeError(f"rank {self.rank}: a request to rank {target}, with an exchange in flight with it")
         self._next_rid += 1
         self.request = _Request(int(target), self._next_rid, now, flags)
         return Message(Kind.REQ, int(target), self._next_rid, unit, flags)
@@ -92,20 +109,16 @@ class PostedRendezvous:
             crossed = self.request is not None and self.request.target == peer
             if crossed and peer > self.rank:
                 pass  # drop it: the peer, the higher rank, accepts my request
-            elif any(target == peer for target, _ in self.given_up):
-                # my request to the peer timed out, but its ACK may still come (and commit us): not now
+            elif (peer in self.flights or len(self.flights) + (self.request is not None) >= self.max_flights
+                  or any(target == peer for target, _ in self.given_up)):
+                # (a request to the peer that timed out: its ACK may still come and commit us)
                 out.send.append(Message(Kind.BUSY, peer, rid, unit))
-            elif crossed or self.free:
+            else:
                 if crossed:
                     out.ended = ("superseded", peer)
                     self.request = None
-                if not self.flights:
-                    out.post = self._commit(Flight(peer, peer, rid, msg.unit, msg.flags))
-                    out.send.append(Message(Kind.ACK, peer, rid, unit))
-                else:  # (crossed while an honoured late exchange is still in flight)
-                    out.send.append(Message(Kind.BUSY, peer, rid, unit))
-            else:
-                out.send.append(Message(Kind.BUSY, peer, rid, unit))
+                out.post = self._commit(Flight(peer, peer, rid, msg.unit, msg.flags))
+                out.send.append(Message(Kind.ACK, peer, rid, unit))
         elif k == Kind.ACK:
             r = self.request
             if r is not None and r.target == peer and r.rid == rid:

@@ -70,8 +70,8 @@ class PostedMixer(AsyncMixer):
         self._poll_once()
 
     def _initiate(self, t: int) -> None:
-        """Ask a partner drawn from this rank's law and train on; with something in flight, ask next unit."""
-        if not self.posted.free:
+        """Ask a partner drawn from this rank's law and train on; with no room for another exchange, next unit."""
+        if not self.posted.can_ask:
             self.next_fire = t + 1
             return
         self._tried[:] = False
@@ -79,7 +79,10 @@ class PostedMixer(AsyncMixer):
         self._ask(t)
 
     def _ask(self, t: int) -> None:
-        target, flags = self._draw(t, self._tried)
+        """A partner not tried at this firing and not in an exchange with this rank already."""
+        busy = self._tried.copy()
+        busy[list(self.posted.flights)] = True
+        target, flags = self._draw(t, busy)
         if target is not None:
             self._post(self.posted.ask(target, time.monotonic(), t, flags))
 
@@ -108,7 +111,7 @@ class PostedMixer(AsyncMixer):
             if reason == "busy":
                 self._tried[partner] = True
                 self.record(MergeRow.declined(self.t, self.rank, partner, Event.BUSY))
-                if self._retries > 0 and self.posted.free:
+                if self._retries > 0 and self.posted.can_ask:
                     self._retries -= 1
                     self._ask(self.t)
             elif reason == "timeout":

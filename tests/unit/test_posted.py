@@ -26,12 +26,14 @@ class Sim:
     timer fires after a unit with probability ``p_fire``; a frozen rank neither trains nor reads for a while.
     Done ranks go on polling until nothing is in flight anywhere (the engine's drain)."""
 
-    def __init__(self, n, seed, units=8, batches=4, p_fire=0.7, timeout=2.0, freeze=None, delay=0.05, speeds=None):
+    def __init__(self, n, seed, units=8, batches=4, p_fire=0.7, timeout=2.0, freeze=None, delay=0.05, speeds=None,
+                 max_flights=4):
         self.n, self.rng = n, np.random.default_rng(seed)
         self.units, self.batches, self.p_fire, self.delay = units, batches, p_fire, delay
         self.speeds = speeds or [1.0] * n
         self.freeze = freeze or {}
-        self.rz = [PostedRendezvous(r, timeout) for r in range(n)]
+        self.rz = [PostedRendezvous(r, timeout, max_flights) for r in range(n)]
+        self.most_flights = 0
         self.inbox = [[] for _ in range(n)]
         self.arrived = set()  # (dst, src, initiator, rid): a half delivered to dst
         self.last = defaultdict(float)
@@ -83,6 +85,7 @@ class Sim:
         for m in msgs:
             self.act(r, rz.receive(m, self.now, self.unit[r]))
         self.act(r, rz.tick(self.now))
+        self.most_flights = max(self.most_flights, len(rz.flights))
         for peer, f in list(rz.flights.items()):
             if (r, peer, f.initiator, f.rid) in self.arrived:
                 self.arrived.discard((r, peer, f.initiator, f.rid))
@@ -96,8 +99,9 @@ class Sim:
         self.poll(r)
         if b == self.batches:  # the unit is done: the timer may fire
             self.unit[r] += 1
-            if self.rng.random() < self.p_fire and self.rz[r].free:
-                target = int(self.rng.choice([j for j in range(self.n) if j != r]))
+            choices = [j for j in range(self.n) if j != r and j not in self.rz[r].flights]
+            if self.rng.random() < self.p_fire and self.rz[r].can_ask and choices:
+                target = int(self.rng.choice(choices))
                 self.send(r, self.rz[r].ask(target, self.now, self.unit[r]))
             if self.unit[r] >= self.units:
                 self.at(self.now + 0.01, lambda: self.serve(r))
@@ -113,7 +117,7 @@ class Sim:
 
     def quiet(self):
         return (all(u >= self.units for u in self.unit) and not self.in_transit and not any(self.inbox)
-                and not self.arrived and all(rz.request is None and not rz.flights for rz in self.rz))
+                and not self.arrived and all(rz.settled for rz in self.rz))
 
     def run(self, horizon=10_000.0):
         for r in range(self.n):
@@ -167,6 +171,14 @@ def test_a_frozen_partner_times_out_and_its_late_answer_is_honoured():
     assert honoured > 0
 
 
+@pytest.mark.parametrize("max_flights", [1, 2, 4])
+def test_a_rank_takes_part_in_at_most_max_flights_exchanges_at_once(max_flights):
+    """Every timer fires, long delays: the cap holds (a late answer honoured may add one) and all settles."""
+    sim = Sim(6, 11, p_fire=1.0, delay=0.3, max_flights=max_flights).run()
+    check(sim)
+    assert 1 <= sim.most_flights <= max_flights + 1
+
+
 def test_slow_ranks_do_not_block_fast_ones():
     """One rank 5x slower: the fast ranks never wait (nothing here blocks) and everything settles."""
     sim = Sim(6, 3, speeds=[5.0, 1, 1, 1, 1, 1], units=10).run()
@@ -180,6 +192,8 @@ def test_the_rule_refuses_what_it_cannot_answer():
     rz.ask(2, 0.0)
     with pytest.raises(RuntimeError, match="outstanding"):
         rz.ask(3, 0.0)
+    with pytest.raises(ValueError, match="max_flights"):
+        PostedRendezvous(0, 1.0, max_flights=0)
     with pytest.raises(ValueError, match="not a message"):
         rz.receive(Message(Kind.GO, 2, 1), 0.0)
 
@@ -191,9 +205,11 @@ def test_a_request_to_a_rank_given_up_on_is_not_accepted_until_its_answer():
     out = rz.receive(Message(Kind.REQ, 2, 9), 5.0)
     assert [m.kind for m in out.send] == [Kind.BUSY] and out.post is None  # its old ACK may still commit us
     out = rz.receive(Message(Kind.ACK, 2, 1), 6.0)  # it comes: honoured
-    assert out.post is not None and out.post.partner == 2 and not rz.free
+    assert out.post is not None and out.post.partner == 2 and 2 in rz.flights
+    with pytest.raises(RuntimeError, match="in flight with it"):
+        rz.ask(2, 6.0)
     rz.merged(2)
-    assert rz.free
+    assert rz.settled
 
 
 # ---------------------------------------------------------------- the displacement merge
