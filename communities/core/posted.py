@@ -13,9 +13,9 @@ boundary. Here each side *posts* its half and trains on:
    in flight with that rank or ``max_flights`` of them, or its own request to
    that rank timed out unanswered (``BUSY`` then). Accepting, it posts its half
    (a copy of its weights, its header and the signature rows the requester
-   lacks) and answers ``ACK``; it does not wait for anything. A *crossed*
-   request (from its own target) is served once, as the lower rank's (as in
-   ``rendezvous.py``).
+   lacks) and answers ``ACK``; it does not wait for anything. Of two *crossed*
+   requests (each from the other's target) the lower rank's is answered, ACK or
+   BUSY, and the higher rank's dropped: the higher rank's request ends there.
 3. A requester that reads the ``ACK`` posts its half. An ``ACK`` always commits:
    one that answers a request given up after ``timeout`` is honoured all the
    same, since its sender has posted and waits for the other half. So every
@@ -108,15 +108,15 @@ class PostedRendezvous:
         if k == Kind.REQ:
             crossed = self.request is not None and self.request.target == peer
             if crossed and peer > self.rank:
-                pass  # drop it: the peer, the higher rank, accepts my request
-            elif (peer in self.flights or len(self.flights) + (self.request is not None) >= self.max_flights
-                  or any(target == peer for target, _ in self.given_up)):
+                return out  # drop it: the peer, the higher rank, answers my request (ACK or BUSY)
+            if crossed:  # the peer drops my request: it ends here, whether I accept the peer's or not
+                out.ended = ("superseded", peer)
+                self.request = None
+            if (peer in self.flights or len(self.flights) + (self.request is not None) >= self.max_flights
+                    or any(target == peer for target, _ in self.given_up)):
                 # (a request to the peer that timed out: its ACK may still come and commit us)
                 out.send.append(Message(Kind.BUSY, peer, rid, unit))
             else:
-                if crossed:
-                    out.ended = ("superseded", peer)
-                    self.request = None
                 out.post = self._commit(Flight(peer, peer, rid, msg.unit, msg.flags))
                 out.send.append(Message(Kind.ACK, peer, rid, unit))
         elif k == Kind.ACK:

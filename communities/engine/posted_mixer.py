@@ -62,6 +62,7 @@ class PostedMixer(AsyncMixer):
         self._all_done = False  # the done Ibarrier completed: nobody initiates any more
         self._tried = np.zeros(self.n, dtype=bool)
         self._retries = 0
+        self._draining = False  # no new request once the drain has begun
 
     # ------------------------------------------------------------------ serving and asking
 
@@ -111,7 +112,7 @@ class PostedMixer(AsyncMixer):
             if reason == "busy":
                 self._tried[partner] = True
                 self.record(MergeRow.declined(self.t, self.rank, partner, Event.BUSY))
-                if self._retries > 0 and self.posted.can_ask:
+                if self._retries > 0 and self.posted.can_ask and not self._draining:
                     self._retries -= 1
                     self._ask(self.t)
             elif reason == "timeout":
@@ -190,6 +191,7 @@ class PostedMixer(AsyncMixer):
 
     def drain(self) -> None:
         """Settle this rank's own request and exchanges first, then as for blocking exchanges."""
+        self._draining = True
         self._wait(lambda: self.posted.request is None, "an answer to this rank's request")
         self._wait(lambda: not self.halves, "this rank's posted exchanges")
         super().drain()
