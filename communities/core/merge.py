@@ -50,6 +50,19 @@ def coefficient(rule: str, me: Side, other: Side, alpha: float = 0.5, t: int = 0
     return float(alpha) if total <= 0 else 2.0 * float(alpha) * c_other / total
 
 
+def max_coefficient(rule: str, alpha: float = 0.5, ema=None) -> float:
+    """The largest weight ``coefficient`` can give a partner under ``rule`` (clock and loss: up to 2 alpha)."""
+    if rule == "constant":
+        return float(alpha)
+    if rule == "swap":
+        return 1.0
+    if rule == "ema":
+        return float(max(ema.start, ema.end)) if ema is not None else 1.0
+    if rule in ("clock", "loss"):
+        return min(1.0, 2.0 * float(alpha))
+    raise ValueError(f"unknown merge rule {rule!r}; expected one of {RULES}")
+
+
 def _inverse_loss(loss: float) -> float:
     if not math.isfinite(loss):
         return 0.0

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..core import merge
-from ..core.posted import Flight, Outcome, PostedRendezvous
+from ..core.posted import Flight, Outcome, PostedRendezvous, flights_for
 from ..core.rendezvous import SIGNATURES_ONLY, Kind, Message
 from ..results import Event, MergeRow
 from ..runtime.comm import Tag
@@ -55,7 +55,9 @@ class PostedMixer(AsyncMixer):
 
     def __init__(self, cfg, world, timer, **parts):
         super().__init__(cfg, world, timer, **parts)
-        self.posted = PostedRendezvous(self.rank, self.rz.timeout)
+        mc = cfg.merge
+        self.posted = PostedRendezvous(self.rank, self.rz.timeout,
+                                       max_flights=flights_for(merge.max_coefficient(mc.rule, mc.alpha, mc.ema)))
         self.width = CONTROL_WIDTH + self.n  # control messages carry the sender's signature-table versions
         self.halves: Dict[int, _Half] = {}  # partner -> this side's half in flight
         self._spare: List[torch.Tensor] = []  # weight-sized buffers of completed exchanges, for reuse
@@ -159,6 +161,9 @@ class PostedMixer(AsyncMixer):
         meta = half.meta
         assert meta is not None
         with self.timer("exchange"):
+            if meta.size < 1 + HEADER_FIELDS or not np.isfinite(meta[0]):
+                raise RuntimeError(f"rank {self.rank}: a posted header of {meta.size} numbers from rank {peer}, "
+                                   f"expected at least {1 + HEADER_FIELDS}")
             other = Header.from_array(meta[1:1 + HEADER_FIELDS])
             try:
                 self.table.merge(meta[1 + HEADER_FIELDS:])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from communities import config as config_mod
 from communities.core import merge
-from communities.core.posted import PostedRendezvous
+from communities.core.posted import PostedRendezvous, flights_for
 from communities.core.rendezvous import Kind, Message
 from communities.errors import ConfigError
 
@@ -240,6 +240,26 @@ def test_a_request_to_a_rank_given_up_on_is_not_accepted_until_its_answer():
 
 
 # ---------------------------------------------------------------- the displacement merge
+
+
+@pytest.mark.parametrize("rule,alpha,flights", [("constant", 0.5, 2), ("constant", 0.3, 3), ("constant", 0.1, 4),
+                                                ("swap", 0.5, 1), ("clock", 0.5, 1), ("clock", 0.25, 2)])
+def test_overlapping_merges_add_up_to_at_most_one_step(rule, alpha, flights):
+    assert flights_for(merge.max_coefficient(rule, alpha)) == flights
+
+
+def test_overlapping_displacements_within_the_bound_stay_between_the_partners():
+    """Two merges at a = 0.5 from the same posted weights land on the partners' mean (no overshoot); four
+    would push the rank past them (why the cap)."""
+    mine = torch.zeros(3, dtype=torch.float64)
+    partners = [torch.ones(3, dtype=torch.float64), 3 * torch.ones(3, dtype=torch.float64)]
+    w = mine.clone()
+    for p in partners:
+        merge.displace_(w, p, mine.clone(), 0.5)
+    assert torch.allclose(w, (partners[0] + partners[1]) / 2)
+    for p in partners:
+        merge.displace_(w, p, mine.clone(), 0.5)
+    assert float(w[0]) > max(float(p[0]) for p in partners)
 
 
 @settings(max_examples=40, deadline=None)
