@@ -10,7 +10,8 @@ the displacement rule (``merge.displace_``: ``w <- w + a (theirs - sent)``), so
 the pair's sum is conserved although both trained while the bytes moved.
 
 The cost: one copy of the weights and one receive buffer per exchange in flight
-(kept for reuse), and a merge that reads weights up to a few batches old. What
+(at most floor(1/a) at once, ``core/posted.flights_for``; kept for reuse), and a
+merge that reads weights up to a few batches old. What
 needs more than weights and a header to travel is refused by the config
 (optimizer moments, the seen-at table, hard examples, pbt, an outer step).
 """
