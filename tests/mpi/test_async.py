@@ -178,7 +178,7 @@ def test_done_ranks_train_on_until_the_slow_rank_finishes_its_budget(runs):
         split = s["time_split_per_rank"]
         return np.mean([split["idle"][r] / split["wall"][r] for r in fast])
 
-    # Measured here: serve ~0.7 idle, train on ~0.2 (4 ranks on 2 cores).
+    # Measured here (4 ranks on 2 cores, beside a CI run): serve 0.70 idle, train on 0.37.
     assert idle_share(on) < 0.75 * idle_share(serve)
     assert np.isfinite(on["consensus_test_acc"])
 
@@ -193,7 +193,7 @@ def test_posted_exchanges_keep_the_fast_ranks_training(runs):
         split = s["time_split_per_rank"]
         return np.mean([split["idle"][r] / split["wall"][r] for r in fast])
 
-    # Measured here: blocking ~0.2, posted ~0.05 (4 ranks on 2 cores).
+    # Measured here (4 ranks on 2 cores, beside a CI run): blocking 0.37, posted 0.01.
     assert idle_share(posted) < idle_share(blocking)
     assert posted["merges"] > 0 and np.isfinite(posted["consensus_test_acc"])
     assert min(posted["units_per_rank"][r] for r in fast) > 30
