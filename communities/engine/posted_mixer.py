@@ -130,7 +130,7 @@ class PostedMixer(AsyncMixer):
         r, world, peer = self.replica, self.world, flight.partner
         with self.timer("exchange"):
             mine = self._header(self.t, [])
-            rows = self.table.pack(self.table.newer_than(versions.astype(np.int64), self.cfg.signature.gossip_rows))
+            rows = self.table.pack(self.table.newer_than(versions, self.cfg.signature.gossip_rows))
             meta = np.concatenate([[float(self.t)], mine.to_array(), rows])
             requests = [world.isend(meta, peer, Tag.HEADER)]
             nbytes = meta.nbytes

@@ -2,6 +2,7 @@
 N ranks, the displacement merge's algebra (core/merge.displace_), and what the config refuses."""
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from collections import defaultdict
@@ -148,19 +149,18 @@ def check(sim: Sim, frozen: bool = False):
 def test_every_exchange_is_posted_and_merged_by_both_sides_once(n, seed):
     sim = Sim(n, seed).run()
     check(sim)
-    assert sim.committed or n == 2  # (two ranks may always cross, and then merge once)
+    assert sim.committed
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000))
-def test_crossed_requests_merge_once_and_busy_ranks_are_declined(seed):
-    """Every timer fires: many crossed and busy requests; each crossed pair merges once, as the lower rank's."""
-    sim = Sim(4, seed, p_fire=1.0, delay=0.2).run()
-    check(sim)
-    reasons = [e[0] for ends in sim.ended.values() for e in ends]
-    assert "posted" in reasons
-    for (initiator, _), ranks in sim.committed.items():
-        assert initiator in ranks
+def test_crossed_requests_merge_once_and_busy_ranks_are_declined():
+    """Every timer fires: crossed requests (the higher rank's superseded) and requests declined BUSY both happen,
+    and every exchange is still committed and merged by both sides once (over seeds: one run may lack either)."""
+    reasons = collections.Counter()
+    for seed in range(20):
+        sim = Sim(4, seed, p_fire=1.0, delay=0.2).run()
+        check(sim)
+        reasons.update(e[0] for ends in sim.ended.values() for e in ends)
+    assert reasons["superseded"] > 0 and reasons["busy"] > 0 and reasons["posted"] > 0
 
 
 def test_a_frozen_partner_times_out_and_its_late_answer_is_honoured():
