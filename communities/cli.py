@@ -162,7 +162,8 @@ def cmd_run(args) -> int:
     from .runtime.comm import World
     from .runtime.launcher import launcher_mismatch
 
-    world = World()
+    global _WORLD
+    world = _WORLD = World()
     text, err = None, ""
     if world.rank == 0:
         try:
@@ -196,7 +197,7 @@ def cmd_run(args) -> int:
     except Preempted:
         code = EXIT_PREEMPTED
     except RunComplete as exc:
-        if world.rank == 0:
+        if world.leads:
             log.info(f"communities: {exc}")
     world.close()  # every rank ends here together (a stop and a complete run are collective decisions)
     return code
@@ -268,8 +269,16 @@ def _mpi_world_size() -> int:
     return mpi.COMM_WORLD.Get_size()
 
 
+_WORLD = None  # the run command's World, once it exists: its lead prints what every rank would
+
+
 def _is_mpi_worker() -> bool:
-    """True on ranks other than 0 once MPI is up (so a user error prints once)."""
+    """True on ranks other than the lead once MPI is up (so a user error prints once).
+
+    The lead is rank 0 until it is lost (``comm.fault_tolerance: shrink``), then the lowest survivor.
+    """
+    if _WORLD is not None:
+        return not _WORLD.leads
     mpi = sys.modules.get("mpi4py.MPI")
     return bool(mpi and mpi.Is_initialized() and mpi.COMM_WORLD.Get_rank() != 0)
 

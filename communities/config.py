@@ -436,10 +436,12 @@ class FaultsConfig(_Section):
     kill: Dict[int, int] = Field(
         default_factory=dict, description="rank -> unit: the rank's process sends itself SIGKILL at that unit "
         "(a lost rank, for comm.fault_tolerance tests), where kill_in says")
-    kill_in: Literal["train", "exchange", "round"] = Field(
+    kill_in: Literal["train", "exchange", "round", "checkpoint"] = Field(
         "train", description="train: after the unit's training; exchange: inside its first exchange from that unit "
         "on, after the header swap (the partner waits in the weights' Sendrecv); round: at its first signature "
-        "round from that unit on, just before the Allgather (the others are in it)")
+        "round from that unit on, just before the Allgather (the others are in it); checkpoint: inside its first "
+        "checkpoint from that unit on, once every rank's file is written and before the commit (the others wait "
+        "for the writer's verdict)")
 
     @model_validator(mode="after")
     def _nonzero_scale(self):

@@ -136,8 +136,9 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, world: World, root: Path, *, parts: Dict[str, Stateful],
                  before_save: Callable[[], None], info: Callable[[], dict],
-                 failure: Callable[[], Optional[DiskError]] = lambda: None):
+                 failure: Callable[[], Optional[DiskError]] = lambda: None, faults=None):
         self.cfg, self.world, self.root, self.parts = cfg, world, Path(root), parts
+        self.faults = faults  # fault injection (faults.kill_in: checkpoint)
         self._before_save, self._info, self._failure = before_save, info, failure
         self.full = False  # fault injection (faults.disk_full_at): rank files fail as on a full disk
 
@@ -167,11 +168,13 @@ class Checkpointer:
         statuses = world.allgather_text(status, width=1024)
         failed = [(r, s[5:]) for r, s in enumerate(statuses) if s.startswith("disk ")]
         if failed:
-            if rank == 0:
+            if world.leads:
                 _discard(directory)
             raise collective(DiskError(_failures(failed, t)))
+        if self.faults is not None:
+            self.faults.in_checkpoint(t)
         problem = ""
-        if rank == 0:
+        if world.leads:
             files = {rank_file(directory, r).name: json.loads(s[3:]) for r, s in enumerate(statuses)
                      if world.alive[r]}  # (fault_tolerance shrink: the survivors' files)
             try:

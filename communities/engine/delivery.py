@@ -124,7 +124,7 @@ class Delivery:
         if isinstance(self.strategy, IFCA):
             pick = self.strategy.choose(r)  # the shared model with the lowest loss on this rank's shard
             models_out = {j: self.strategy.models[j].detach().cpu().clone() for j in range(self.strategy.k)} \
-                if world.rank == 0 else None
+                if world.leads else None
             return pick, self.strategy.models[pick].clone(), models_out
         return -1, None, None
 

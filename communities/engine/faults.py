@@ -47,6 +47,9 @@ class NoFaults:
     def in_round(self, t: int) -> None:
         """At a signature round, before the gather: a lost rank (faults.kill_in: round)."""
 
+    def in_checkpoint(self, t: int) -> None:
+        """Inside a checkpoint, every rank's file written, before the commit: a lost rank (kill_in: checkpoint)."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -87,6 +90,9 @@ class InjectedFaults(NoFaults):
 
     def in_round(self, t: int) -> None:
         self._kill(t, "round")
+
+    def in_checkpoint(self, t: int) -> None:
+        self._kill(t, "checkpoint")
 
     def _kill(self, t: int, where: str) -> None:
         """faults.kill: this process ends itself with SIGKILL (no handler, no flush, no MPI_Finalize)."""

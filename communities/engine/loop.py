@@ -43,7 +43,7 @@ from .faults import make_faults
 from .progress import Progress
 from .replica import Replica
 from .run_dir import Resume, RunDirectory, describe_partition, now
-from .runlog import RunLog, language_model, print_summary
+from .runlog import RunLog, count_merges, language_model, print_summary
 from .snapshots import RoundSnapshots
 from .timer import Timer
 
@@ -89,7 +89,7 @@ class Engine:
         self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log,
                           lm=language_model(self.replica.data.dataset))
         text = self.replica.data.dataset.text
-        self.progress = Progress(cfg.name, cfg.train.budget, progress and world.rank == 0,
+        self.progress = Progress(cfg.name, cfg.train.budget, progress and world.leads,
                                  bytes_per_token=None if text is None else text.bytes_per_token)
         parts: Dict[str, Stateful] = {
             "replica": self.replica, "mixer": self.mixer, "rounds": self.rounds, "consensus": self.consensus,
@@ -100,10 +100,12 @@ class Engine:
         if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
             self.survival = survival.Survival(
                 world, {k: v for k, v in parts.items() if k not in ("timer", "traffic")}, replica=self.replica,
-                lost_shard=cfg.comm.lost_shard, rewind=self.run_dir.rewind, log_lost=self._log_lost)
+                lost_shard=cfg.comm.lost_shard, rewind=self._rewind, log_lost=self._log_lost,
+                take_over=self._take_over)
+        self.argv = list(argv or sys.argv)
         self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts=parts,
                                         before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info,
-                                        failure=lambda: self.run_dir.failure)
+                                        failure=lambda: self.run_dir.failure, faults=self.faults)
         try:
             self.t = self.checkpoints.load(resumed, self.run_dir.resume_data) if resumed is not None else 0
         except BaseException:
@@ -113,7 +115,7 @@ class Engine:
         self.loaded_t = self.t if resumed is not None else -1
         if resumed is not None:
             self.survival.restore(read_info(resumed))
-        if world.rank == 0 and cfg.logging.tensorboard:
+        if world.leads and cfg.logging.tensorboard:
             self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
 
     # ------------------------------------------------------------------ the loop
@@ -240,6 +242,19 @@ class Engine:
         return {"round": self.rounds.index, "time": now(),
                 "communities": com.labels.tolist() if com is not None else None, **self.survival.info()}
 
+    def _take_over(self, t: int, lost: List[int]) -> None:
+        """The new lead, when the writer was lost: the run directory, and the log's writing side, are its own."""
+        self.run_dir.take_over(t, lost, self.argv)
+        self.log.writer = self.run_dir.writer
+        if self.cfg.logging.tensorboard and self.log.board is None:
+            self.log.board = tensorboard_log.TensorBoardLog(self.cfg, self.run_dir.path, t)
+
+    def _rewind(self, t: int, lost: bool = False) -> None:
+        """The lead, after a loss: the logs back to t; the merges written so far counted from the file (a new
+        writer's own count started at zero)."""
+        self.run_dir.rewind(t, lost=lost)
+        self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
+
     def _log_lost(self, records: List[dict]) -> None:
         """Rank 0: the ranks lost, as ``merges.jsonl`` rows (event ``lost``), written at once."""
         if self.run_dir.writer is not None:
@@ -270,8 +285,10 @@ class Engine:
                "consensus_reached_t": self.consensus.reached_t, "consensus_test_split": replica.data.test_split,
                "local_test": local_test, "consensus_mode": self.mode.summary(), "community_models": community_models,
                "membership": self.survival.summary()}
+        if run["membership"] is not None and self.world.leads:
+            run["membership"]["writers"] = self.run_dir.meta.get("writers", [])
         self.log.models(files, community_models)
-        model = replica.state_dict_of(mean) if self.world.rank == 0 else None
+        model = replica.state_dict_of(mean) if self.world.leads else None
         with self.world.monitoring():  # measuring, not training traffic
             self.timer.settle(self.world)
         dp = None
@@ -326,7 +343,7 @@ def run(cfg: Config, world: World, *, overwrite: bool = False, argv: Optional[Li
     """Run one training job on this rank; rank 0 returns the summary."""
     run_dir = Path(cfg.output.root) / cfg.name
     engine = Engine(cfg, world, run_dir, overwrite=overwrite, argv=argv, progress=progress, resume=resume)
-    if world.rank == 0 and engine.run_dir.resumed_from is not None:
+    if world.leads and engine.run_dir.resumed_from is not None:
         log.info(f"communities: resuming {run_dir} from {engine.run_dir.resumed_from.name} (t={engine.t})")
     summary = engine.run()
     if summary is not None:

@@ -112,10 +112,10 @@ class Replica:
         world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
                     f"model parameter shapes and dtypes (this rank: {len(flat)} values)")
         if cfg.model.init == "shared":
-            world.bcast_(flat, root=0)
+            world.bcast_(flat)
         vectorized = on_every_rank(world, lambda: _stacked(cfg, world, model, placed))
         dp = on_every_rank(world, lambda: _dp_plan(cfg, model, placed))
-        if dp is not None and world.rank == 0:
+        if dp is not None and world.leads:
             _announce(cfg, dp)
         torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
         return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,

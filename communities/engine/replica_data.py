@@ -110,10 +110,11 @@ def _check_same_data(cfg: "Config", world: World, ds: data.Dataset, fingerprint:
     """
     train_fp, test_fp = fingerprint
     texts = world.allgather_text(f"{train_fp} {test_fp}", width=80)
-    said = [(t if alive else texts[0]).split() for t, alive in zip(texts, world.alive)]  # (lost: as 0)
-    test_differ = [r for r, (_, te) in enumerate(said) if te != said[0][1]]
-    train_differ = [] if ds.sharded else [r for r, (tr, _) in enumerate(said) if tr != said[0][0]]
-    if ds.sharded and world.size > 1 and len({tr for tr, _ in said}) == 1 and world.rank == 0:
+    lead = world.lead  # rank 0, or the lowest survivor of a lost rank 0 (a resume of survivors)
+    said = [(t if alive else texts[lead]).split() for t, alive in zip(texts, world.alive)]  # (lost: as the lead)
+    test_differ = [r for r, (_, te) in enumerate(said) if te != said[lead][1]]
+    train_differ = [] if ds.sharded else [r for r, (tr, _) in enumerate(said) if tr != said[lead][0]]
+    if ds.sharded and world.size > 1 and len({tr for tr, _ in said}) == 1 and world.leads:
         log.warning(f"communities: warning: data.dataset={cfg.data.dataset!r} gave every rank the same training "
                     "shard; a sharded reader (it takes rank or world_size) should return rank's own part")
     if not (test_differ or train_differ):
@@ -123,27 +124,28 @@ def _check_same_data(cfg: "Config", world: World, ds: data.Dataset, fingerprint:
     if cfg.data.on_mismatch == "refuse" and ds.text is not None:
         raise Disagreement(
             f"data.dataset={cfg.data.dataset!r}: the ranks' data differ: ranks {ranks} read another {what} than "
-            "rank 0 (" + ("another Python version's standard library?" if cfg.data.dataset == "pystdlib" else
+            f"rank {lead} (" + ("another Python version's standard library?" if cfg.data.dataset == "pystdlib" else
                           f"other files under data.root={cfg.data.root!r}?") + " Every rank must read the same "
             "corpus; data.on_mismatch=warn trains anyway)")
     if cfg.data.on_mismatch == "refuse":
         fn = cfg.data.dataset.partition(":")[2] or cfg.data.dataset
         raise Disagreement(
             f"data.dataset={cfg.data.dataset!r}: the ranks' data differ: ranks {ranks} hold another {what} than "
-            f"rank 0. Is {fn}() deterministic? It is called with seed= (use it for every random choice)"
+            f"rank {lead}. Is {fn}() deterministic? It is called with seed= (use it for every random choice)"
             + (" and must return the same test split on every rank" if ds.sharded else "")
             + "; data.on_mismatch=warn trains anyway")
     if not test_differ:
-        if world.rank == 0:
+        if world.leads:
             log.warning(f"communities: warning: the ranks' training sets differ (ranks {train_differ} from rank "
-                        f"0's); data.dataset={cfg.data.dataset!r} is not deterministic? Each rank trains on its "
+                        f"{lead}'s); data.dataset={cfg.data.dataset!r} is not deterministic? Each rank trains on its "
                         "own partition of its own copy")
         return "shared"
-    if world.rank == 0:
-        log.warning(f"communities: warning: the ranks' test splits differ (ranks {test_differ} from rank 0's); "
+    if world.leads:
+        log.warning(f"communities: warning: the ranks' test splits differ (ranks {test_differ} from rank {lead}'s); "
                     f"data.dataset={cfg.data.dataset!r} is not deterministic? The consensus is scored on "
-                    "rank 0's, each rank on its own")
-    return f"rank 0's (the test splits differ across ranks: {len(test_differ)} of {len(said)} from rank 0's)"
+                    f"rank {lead}'s, each rank on its own")
+    return (f"rank {lead}'s (the test splits differ across ranks: {len(test_differ)} of {len(said)} from "
+            f"rank {lead}'s)")
 
 
 def _combine_shards(cfg: "Config", world: World, ds: data.Dataset, own_group: Optional[int]

@@ -48,7 +48,7 @@ class _WeightSignature:
         self.n_params = replica.n_params
         sk = world.shared(("sketch", sc.kind, replica.n_params, sc.dim), lambda: signature.make_sketch(
             sc.kind, replica.n_params, sc.dim, cfg.seed, replica.device, replica.flat.dtype))
-        ref = sk(replica.flat[: replica.n_params]).numpy() if world.rank == 0 else None
+        ref = sk(replica.flat[: replica.n_params]).numpy() if world.leads else None
         self.signer = signature.Signer(sk, world.bcast_array(ref, (sc.dim,), np.float64))
 
     def row(self, replica: Replica) -> np.ndarray:

@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import socket
 import subprocess
 from enum import Enum
 from pathlib import Path
@@ -43,6 +44,7 @@ from . import checkpoint
 log = logging.getLogger(__name__)
 
 STOP_FILE = "STOP"
+TAKEOVER_WAIT_S = 10.0  # how long a new writer waits for the lost writer's lock (the kernel frees it at exit)
 LOGS = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl")
 
 
@@ -160,7 +162,7 @@ class RunDirectory:
             bad = [(r, m) for r, m in enumerate(said) if m]
             if not bad:
                 self.resume_data = data_
-                if w.rank == 0 and not checked:
+                if w.leads and not checked:
                     log.info(f"communities: checkpoint {name} has no checksums (written by an older version); "
                              "loading it unchecked")
                 return name, damaged
@@ -194,6 +196,7 @@ class RunDirectory:
         from .. import __version__
 
         previous = read_json(self.path / "meta.json") if resumed_from and (self.path / "meta.json").exists() else {}
+        why = f"resumed from {resumed_from}" if resumed_from else "started the run"
         self.meta = {
             "package_version": __version__, "python": platform.python_version(), "torch": torch.__version__,
             "numpy": np.__version__, "scipy": scipy.__version__, "mpi4py": mpi4py.__version__,
@@ -202,9 +205,40 @@ class RunDirectory:
             "command": list(argv), "start_time": previous.get("start_time", now()), "end_time": None,
             "status": "running",
             "resumed": previous.get("resumed", []) + ([{"from": resumed_from, "at": now()}] if resumed_from else []),
+            "writers": previous.get("writers", []) + [self._writer_entry(why)],
         }
         assert self.writer is not None  # rank 0
         self.writer.write_json("meta.json", self.meta)
+
+    def _writer_entry(self, why: str) -> dict:
+        """``meta.json``'s record of a writer: which rank, which process, since when, and why."""
+        return {"rank": int(self.world.rank), "host": socket.gethostname(), "pid": os.getpid(), "at": now(),
+                "why": why}
+
+    def take_over(self, t: int, lost: List[int], argv: List[str]) -> None:
+        """The new lead, when the writer was lost (``comm.fault_tolerance: shrink``): it becomes the writer.
+
+        The kernel dropped the dead writer's ``flock`` with its process, so the lock is taken as a killed run's
+        is. One still held means the writer reported lost is alive (the failure detector was wrong): two
+        writers must never share a directory, so that is ``RunLocked``, and the survivors stop. The partial
+        rows the dead writer left are finished or dropped by the rewind to ``t`` that follows (as for any loss),
+        its temporaries are swept, and ``meta.json`` names the new writer. Idempotent.
+        """
+        if self.writer is not None:
+            return
+        lock = RunLock(self.path)
+        note = lock.acquire(argv, wait=TAKEOVER_WAIT_S)
+        self.lock = lock
+        if note:
+            log.debug(note)
+        writer = RunWriter(self.path, resume=True)
+        writer.sweep()
+        self.meta = read_json(self.path / "meta.json")
+        self.meta.setdefault("writers", []).append(
+            self._writer_entry(f"writer rank {', '.join(map(str, lost))} lost; survivors went on from t={t}"))
+        writer.write_json("meta.json", self.meta)
+        writer.defer_errors()
+        self.writer = writer
 
     def _refuse_complete(self) -> None:
         summary = self.path / "summary.json"
@@ -264,7 +298,7 @@ class RunDirectory:
 
     def stop_file_present(self) -> bool:
         """Rank 0: ``RUN_DIR/STOP`` asks the run to stop at the next round."""
-        return self.world.rank == 0 and (self.path / STOP_FILE).exists()
+        return self.world.leads and (self.path / STOP_FILE).exists()
 
     # ------------------------------------------------------------------ the end
 

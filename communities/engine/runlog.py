@@ -37,6 +37,7 @@ from ..results import (
     Summary,
     TimeCategory,
     finite_or_none,
+    read_jsonl,
 )
 from ..runtime.comm import World
 from ..workload.data import Dataset
@@ -302,6 +303,13 @@ class RunLog:
         """The state after a round or checkpoint, when no row is buffered (a rollback drops the rows since)."""
         self.merges_logged = int(state["merges_logged"])
         self.metric_rows, self.merge_rows = [], []
+
+
+def count_merges(path: Path) -> int:
+    """The pairwise merges a ``merges.jsonl`` holds, each counted once (at its initiator), as ``flush`` counts."""
+    if not path.exists():
+        return 0
+    return sum(1 for m in read_jsonl(path) if m.get("event") == "merge" and m.get("i") == m.get("initiator"))
 
 
 def language_model(ds: Dataset) -> Optional[LanguageModel]:

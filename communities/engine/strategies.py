@@ -453,14 +453,14 @@ class IFCA(Strategy):
         models_ = torch.empty((self.k, r.flat.numel()), dtype=r.flat.dtype, device=r.flat.device)
         if start == 0:
             models_[0].copy_(r.flat)
-        if mixer.world.rank == 0:
+        if mixer.world.leads:
             with torch.random.fork_rng(devices=[]):  # leave this rank's RNG (dropout) as it was
                 for j in range(1 if start == 0 else 0, self.k):
                     torch.manual_seed(self.cfg.seed * 7919 + 1_000_003 * (start * self.k + j))
                     m = models.build(self.cfg.model, r.data.dataset.input_shape, r.data.dataset.n_classes)
                     flat, _ = models.flatten_(m)
                     models_[j].copy_(flat.to(r.flat.device))
-        mixer.world.bcast_(models_.view(-1), root=0)
+        mixer.world.bcast_(models_.view(-1))
         return models_
 
     def losses(self, replica: Replica) -> List[float]:
@@ -519,7 +519,7 @@ class IFCA(Strategy):
         sent = mixer.ifca_average(self.models, self.pick) + mixer.world.bytes_sent - sent0
         r.flat.copy_(self.models[self.pick])
         mixer.record(MergeRow.global_average(t, mixer.rank, float(torch.dist(r.flat, before)), sent, Event.AVERAGE))
-        if mixer.rank == 0:
+        if mixer.world.leads:
             log.info("ifca.init=warmup: k-means of the local models after %d units assigns clusters %s",
                      t, labels.tolist())
 
@@ -546,7 +546,7 @@ class IFCA(Strategy):
         r.flat.copy_(self.models[self.pick])
         r.opt.state.clear()
         self.best = None
-        if mixer.rank == 0:
+        if mixer.world.leads:
             log.info("ifca.init=restarts: mean training loss per start %s; kept start %d",
                      [round(v, 6) for v in self.start_losses], cluster_start.lowest_loss(self.start_losses))
 

@@ -19,8 +19,12 @@ the survivors:
    same exchange lists and communities from the agreed membership.
 
 The lost rank's shard is dropped, or adopted (``comm.lost_shard: adopt``) by the
-next rank alive after it in rank order. The writer, rank 0, holds the run
-directory; its loss ends the job as under ``abort`` (resume from a checkpoint).
+next rank alive after it in rank order. The writer is the lead, the lowest rank
+alive (rank 0 at the start). When it is lost, the new lead takes the run
+directory's lock over (the kernel released the dead holder's), sweeps its
+temporaries and rewinds its logs to the agreed round like any loss, and writes
+from then on; ``meta.json`` names each writer. Only a lock still held (the
+writer reported lost is alive) ends the job, with ``WriterLost``.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError, collective
+from ..errors import ConfigError, DiskError, ResultsError, RunLocked, collective
 from ..manifest import complete_dirs, read_info
 from ..results import MergeRow
 from ..runtime.comm import RankLost, World
@@ -44,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 class WriterLost(RuntimeError):
-    """Rank 0, which holds the run directory, was lost: the survivors cannot go on (abort, then resume)."""
+    """The writer was lost and no survivor could take the run directory over: the survivors stop (then resume)."""
 
 
 class NoSurvival:
@@ -74,9 +78,11 @@ class Survival(NoSurvival):
 
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
-    def __init__(self, world: World, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost):
+    def __init__(self, world: World, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost,
+                 take_over):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
-        self._rewind, self._log_lost = rewind, log_lost  # rank 0: drop rows after t; write the LOST rows
+        self._rewind, self._log_lost = rewind, log_lost  # the lead: drop rows after t; write the LOST rows
+        self._take_over = take_over  # the new lead, when the writer was lost: (t, lost) -> it writes from now on
         self.copies: List[Tuple[int, bytes]] = []
         self.lost: List[dict] = []  # {"rank", "t": unit gone on from, "adopted_by"}
         self.recoveries: List[dict] = []
@@ -93,16 +99,16 @@ class Survival(NoSurvival):
         """Shrink, agree, restore the newest common round; returns the unit to go on from (every survivor)."""
         detected = time.time()
         world = self.world
-        (log.warning if world.rank == 0 else log.debug)(
+        writer = world.lead
+        (log.warning if world.leads else log.debug)(
             f"communities: rank {world.rank}: a peer failed ({exc}); shrinking to the survivors")
         lost: List[int] = []
         while True:
             try:
                 lost += world.recover()
-                if not world.alive[0]:
-                    raise WriterLost("rank 0, the writer of the run directory, was lost: the survivors stop "
-                                     "(resume from the last checkpoint with --resume)")
                 t = int(world.allreduce_scalar(float(self.copies[-1][0]), "min"))
+                if not world.alive[writer]:
+                    self._new_writer(t, sorted(lost), writer)
                 break
             except RankLost as again:  # another rank failed during the recovery itself: shrink once more
                 log.warning(f"communities: rank {world.rank}: another failure while recovering ({again})")
@@ -118,15 +124,35 @@ class Survival(NoSurvival):
             self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
         recovered = time.time()
         record: Dict[str, Any] = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
-                                  "detected_wall": detected, "recovered_wall": recovered}
+                                  "writer": int(world.lead), "detected_wall": detected, "recovered_wall": recovered}
         self.recoveries.append(record)
-        if world.rank == 0:
+        if world.leads:
             self._rewind(t, lost=True)
             self._log_lost([e for e in self.lost if e["rank"] in lost])
             log.warning(f"communities: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}; "
                         f"{world.n_alive} survivors go on from t={t} "
-                        f"({recovered - detected:.2f}s to recover)")
+                        f"({recovered - detected:.2f}s to recover)"
+                        + (f"; rank {world.lead} writes the run directory now" if world.lead != writer else ""))
         return t
+
+    def _new_writer(self, t: int, lost: List[int], writer: int) -> None:
+        """The writer was lost: the lowest survivor takes the run directory over (a collective of the survivors).
+
+        What it could not do (the lock is still held: the writer reported lost is alive) stops every survivor
+        with ``WriterLost``, as a lost writer did before there was a takeover.
+        """
+        world = self.world
+        problem = ""
+        if world.leads:
+            try:
+                self._take_over(t, lost)
+            except (RunLocked, DiskError, ResultsError) as err:
+                problem = str(err)
+        problem = world.bcast_text(problem)
+        if problem:
+            raise WriterLost(f"rank {writer}, the writer of the run directory, was lost and rank {world.lead} could "
+                             f"not take it over ({problem}): the survivors stop (resume from the last checkpoint "
+                             "with --resume)")
 
     def _adopt(self, rank: int) -> Optional[int]:
         """comm.lost_shard adopt: the next rank alive after ``rank`` adds its shard (and what it had adopted)."""
@@ -169,7 +195,7 @@ def survivors(world: World, run_dir: Path) -> Optional[Tuple[List[int], int]]:
     """(the logical ranks alive, the job's size) when the newest checkpoint of ``run_dir`` was written by the
     survivors of a lost rank, else None (a collective: rank 0 reads, every rank gets its answer)."""
     text = ""
-    if world.rank == 0:
+    if world.leads:
         found = complete_dirs(Path(run_dir) / "checkpoints")
         if found:
             try:

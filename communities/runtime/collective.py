@@ -7,18 +7,21 @@ a failure on one rank into the same error on every rank.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..errors import SETUP_ERRORS, ConfigError, ResultsError, RunComplete, collective
 from .comm import World
 
 
-def collective_check(world: World, fn, root: int = 0):
-    """Run ``fn`` on ``root`` and share its outcome, so a failure there stops every rank.
+def collective_check(world: World, fn, root: Optional[int] = None):
+    """Run ``fn`` on ``root`` (the lead by default) and share its outcome, so a failure there stops every rank.
 
     A user error is re-raised on every rank as a ConfigError marked collective:
     the CLI then exits 2 everywhere with one message and no traceback. Any other
     failure aborts the job, with the traceback printed by ``root`` alone.
     """
     msg, out = "", None
+    root = world.root(root)
     if world.rank == root:
         try:
             out = fn()

@@ -200,22 +200,26 @@ class World(PointToPoint):
         self.bytes_control += send.nbytes * (self.n_alive - 1) // max(self.n_alive, 1)
         return recv
 
-    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+    def bcast_(self, t: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
+        root = self.root(root)
         with self.staging.buffer(t, "bcast", send=self.rank == root) as buf, \
                 self.collective(f"Bcast from rank {root}"):
             self.comm.Bcast(buf, root=self._p(root))
         self._bcast_bytes(t.numel() * t.element_size(), root)
         return t
 
-    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0, what: str = "Bcast") -> np.ndarray:
+    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: Optional[int] = None,
+                    what: str = "Bcast") -> np.ndarray:
+        root = self.root(root)
         buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
         with self.collective(f"{what} from rank {root}"):
             self.comm.Bcast(buf, root=self._p(root))
         self._bcast_bytes(buf.nbytes, root)
         return buf
 
-    def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
-        """Gatherv of each rank's 2-D float64 block (variable row count) to ``root``."""
+    def gather_rows(self, rows: np.ndarray, root: Optional[int] = None) -> Optional[List[np.ndarray]]:
+        """Gatherv of each rank's 2-D float64 block (variable row count) to ``root`` (the lead by default)."""
+        root = self.root(root)
         rows = np.ascontiguousarray(rows, dtype=np.float64)
         width = rows.shape[1] if rows.ndim == 2 else 0
         counts = np.empty(self.n_alive, dtype=np.int64)
@@ -234,11 +238,12 @@ class World(PointToPoint):
         return None
 
     def agree(self, digest: bytes, what: str) -> None:
-        """Allgather a 16-byte digest; raise naming the ranks that disagree with rank 0."""
+        """Allgather a 16-byte digest; raise naming the ranks that disagree with the lead (rank 0 while alive)."""
         got = self.allgather(np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8))
-        bad = [int(r) for r in self.members if not np.array_equal(got[r], got[0])]
+        lead = self.lead
+        bad = [int(r) for r in self.members if not np.array_equal(got[r], got[lead])]
         if bad:
-            raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
+            raise Disagreement(f"ranks {bad} disagree with rank {lead} on {what}")
 
     def split(self, color: int) -> "Subgroup":
         """The ranks that pass the same ``color`` as one communicator (``MPI.Comm.Split``, ordered by world rank).

@@ -46,6 +46,24 @@ class LogicalRanks(Traffic):
     def whole(self) -> bool:
         return self.membership.whole
 
+    @property
+    def lead(self) -> int:
+        """The lowest logical rank alive: the writer of the run directory and the root of every gather.
+
+        Rank 0 while it lives; when it is lost (``comm.fault_tolerance: shrink``) the lowest survivor takes
+        over, so no rank is special.
+        """
+        return self.membership.lead
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank is the lead (``lead``)."""
+        return self.rank == self.membership.lead
+
+    def root(self, root: Optional[int]) -> int:
+        """A collective's root: ``root``, or the lead when None."""
+        return self.membership.lead if root is None else int(root)
+
     def hostnames(self) -> List[str]:
         """Every rank's host name."""
         return self.allgather_text(socket.gethostname(), width=64)
@@ -61,7 +79,8 @@ class LogicalRanks(Traffic):
     def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
         raise NotImplementedError
 
-    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0, what: str = "Bcast") -> np.ndarray:
+    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: Optional[int] = None,
+                    what: str = "Bcast") -> np.ndarray:
         raise NotImplementedError
 
     def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
@@ -81,8 +100,9 @@ class LogicalRanks(Traffic):
     def allreduce_scalar(self, value: float, op: str = "sum") -> float:
         return float(self.allreduce_array(np.array([value], dtype=np.float64), op, what="Allreduce of a scalar")[0])
 
-    def bcast_text(self, text: Optional[str], root: int = 0) -> str:
-        """Broadcast UTF-8 text as a length-prefixed byte buffer (no pickle)."""
+    def bcast_text(self, text: Optional[str], root: Optional[int] = None) -> str:
+        """Broadcast UTF-8 text as a length-prefixed byte buffer (no pickle); from the lead by default."""
+        root = self.root(root)
         data = text.encode() if self.rank == root and text is not None else b""
         what = "Bcast of text"
         n = self.bcast_array(np.array([len(data)], dtype=np.int64), (1,), np.int64, root, what)

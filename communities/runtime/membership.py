@@ -40,6 +40,11 @@ class Membership:
         return len(self.members)
 
     @property
+    def lead(self) -> int:
+        """The lowest logical rank alive (the members are kept in rank order)."""
+        return int(self.members[0])
+
+    @property
     def whole(self) -> bool:
         """True while every logical rank is alive (no remapping anywhere)."""
         return len(self.members) == self.size

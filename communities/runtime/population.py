@@ -498,19 +498,23 @@ class ReplicaWorld(LogicalRanks):
         self.bytes_control += send.nbytes * (self.size - 1) // max(self.size, 1)
         return np.ascontiguousarray(table[:, self.rank])
 
-    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+    def bcast_(self, t: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
+        root = self.root(root)
         self.hub.wait(Collective("bcast", f"Bcast from rank {root}", t, root=root))
         self._bcast_bytes(t.numel() * t.element_size(), root)
         return t
 
-    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int = 0, what: str = "Bcast") -> np.ndarray:
+    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: Optional[int] = None,
+                    what: str = "Bcast") -> np.ndarray:
+        root = self.root(root)
         mine = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else None
         shape = tuple(int(k) for k in np.atleast_1d(shape))
         out = self.hub.wait(Collective("bcast", what, (mine, shape, dtype), root=root))
         self._bcast_bytes(out.nbytes, root)
         return out
 
-    def gather_rows(self, rows: np.ndarray, root: int = 0) -> Optional[List[np.ndarray]]:
+    def gather_rows(self, rows: np.ndarray, root: Optional[int] = None) -> Optional[List[np.ndarray]]:
+        root = self.root(root)
         rows = np.ascontiguousarray(rows, dtype=np.float64)
         self.bytes_control += 8 * (self.size - 1) + (rows.nbytes if self.rank != root else 0)
         return self.hub.wait(Collective("gather_rows", f"Gatherv of log rows to rank {root}", rows, root=root))

@@ -1,5 +1,5 @@
 """Benchmarks: ``communities bench exchange | signature | clustering | partners | overhead | inspect | vectorize
-| scale``.
+| scale | privacy | chaos``.
 
 Each prints a table of measured figures (and writes them with ``--json PATH``).
 Nothing here asserts a speed: targets are printed next to the figures so a
@@ -21,6 +21,8 @@ reader can judge them on their own machine.
 - ``vectorize``: replica-units per second of a process's replicas trained one after
   another (``train.train_unit``) against stacked (``workload.vectorized``), side by
   side, on digits with the quickstart MLP, one thread.
+- ``chaos`` (``tools/chaos.py``): a ULFM soak that SIGKILLs a random rank every few
+  seconds until a set number remain, then audits the run directory.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..cli import hide_subcommands, plain_text
+from . import chaos
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout (tools/ -> communities/ -> root)
 MB = 1 << 20
@@ -1467,6 +1470,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-root", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--out", metavar="PATH", help="write the rows and fits as JSON")
 
+    chaos.add_parser(sub)
+
     p = sub.add_parser("_profile-rank", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     p.add_argument("argv", nargs=argparse.REMAINDER)
@@ -1483,7 +1488,7 @@ def main_bench(argv: Optional[List[str]] = None) -> int:
     handler = {"exchange": bench_exchange, "signature": bench_signature, "_signature-one": _signature_one,
                "clustering": bench_clustering, "partners": bench_partners, "overhead": bench_overhead,
                "inspect": bench_inspect, "vectorize": bench_vectorize, "scale": bench_scale, "privacy": bench_privacy,
-               "_profile-rank": _profile_rank}[args.what]
+               "chaos": chaos.bench_chaos, "_profile-rank": _profile_rank}[args.what]
     return handler(args)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tests.helpers.openmpi import ompi_command, run_engine_ompi
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 SHRINK = "comm.fault_tolerance=shrink"
+WRITER_CASES = ("train", "exchange", "checkpoint")
 KILLED = re.compile(r"rank (\d+) sends itself SIGKILL at t=(\d+) \((\w+); wall ([\d.]+)\)")
 
 
@@ -50,6 +52,10 @@ def runs(tmp_path_factory):
     out["exchange"] = _run(root, "exchange", "faults.kill={3: 12}", "faults.kill_in=exchange")
     out["round"] = _run(root, "round", "faults.kill={5: 15}", "faults.kill_in=round")
     out["two"] = _run(root, "two", "faults.kill={2: 8, 6: 33}", "faults.kill_in=train", "comm.lost_shard=adopt")
+    for where in WRITER_CASES:  # the writer itself: rank 0 (checkpoints every 5 units: the third case dies in one),
+        # its shard adopted by rank 1 (dropped, its half of group 0's data is gone: 0.960 against 0.976 clean)
+        out[f"writer_{where}"] = _run(root, f"writer_{where}", "faults.kill={0: 12}", f"faults.kill_in={where}",
+                                      "checkpoint.every=5", "comm.lost_shard=adopt")
     return root, out
 
 
@@ -89,6 +95,53 @@ def test_where_the_rank_dies_does_not_change_the_result(runs):
     assert set(went_on_from.values()) == {10}
     a, b = ((root / case / "consensus.pt").read_bytes() for case in ("train", "exchange"))
     assert a == b
+
+
+def _intact(run: Path) -> None:
+    """A finished run directory as a clean run leaves it (``report.audit``: complete, every product and checkpoint
+    matching its manifest, no temporaries, every unit of every rank logged once), and ``communities inspect``
+    reads it (exit 0)."""
+    from communities.report.audit import audit
+
+    assert audit(run) == []
+    res = subprocess.run([sys.executable, "-m", "communities", "inspect", str(run), "--out",
+                          str(run.parent / f"{run.name}_report"), "--last"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("where", WRITER_CASES)
+def test_the_writer_killed_the_lowest_survivor_takes_the_run_directory_over(runs, where):
+    """Rank 0 holds the lock and writes every file. SIGKILLed after its training, inside an exchange, or inside a
+    checkpoint (the rank files written, the commit not): rank 1 takes the lock over and writes from then on,
+    the job exits 0, and the run directory is complete, intact and names both writers."""
+    root, procs = runs
+    run = root / f"writer_{where}"
+    assert KILLED.search(procs[f"writer_{where}"].stderr).group(3) == where
+    s = _summary(run)
+    assert [e["rank"] for e in s["membership"]["lost"]] == [0]
+    assert s["membership"]["survivors"] == list(range(1, 8)) and len(s["rank_test_acc"]) == 7
+    assert s["membership"]["recoveries"][0]["writer"] == 1
+    writers = json.loads((run / "meta.json").read_text())["writers"]
+    assert [w["rank"] for w in writers] == [0, 1] and writers[0]["pid"] != writers[1]["pid"]
+    assert s["membership"]["writers"] == writers
+    clean = _summary(root / "clean")
+    assert s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.01, (s["consensus_test_acc"], clean)
+    merges = _merges(run)
+    assert s["merges"] == sum(1 for m in merges if m["event"] == "merge" and m["i"] == m["initiator"])
+    [gone] = [m for m in merges if m["event"] == "lost"]
+    assert gone["i"] == 0 and gone["t"] == 10
+    _intact(run)
+
+
+@pytest.mark.timeout(1800)
+def test_where_the_writer_dies_does_not_change_the_result(runs):
+    """Each of the three deaths rolls the survivors back to t=10 with rank 1 writing: the same bits."""
+    root, _ = runs
+    assert {_summary(root / f"writer_{w}")["membership"]["recoveries"][0]["t"] for w in WRITER_CASES} == {10}
+    a, *rest = ((root / f"writer_{w}" / "consensus.pt").read_bytes() for w in WRITER_CASES)
+    assert all(a == b for b in rest)
 
 
 @pytest.mark.timeout(1800)
@@ -136,12 +189,14 @@ def test_recovery_time_and_throughput(runs):
 
 
 @pytest.mark.timeout(900)
-def test_a_stop_after_a_loss_checkpoints_and_the_survivors_resume(tmp_path):
-    """Lose rank 3, then a STOP file: the 7 survivors checkpoint (their membership recorded) and exit 75; a
-    resume must be launched with 7 ranks (8 are refused, naming why), continues, and ends with the loss on record."""
+def test_a_stop_after_the_writers_loss_checkpoints_and_the_survivors_resume(tmp_path):
+    """Lose rank 0, the writer; then a STOP file, which the new writer (rank 1) sees: the 7 survivors checkpoint
+    (their membership recorded) and exit 75. A resume must be launched with 7 ranks (8 are refused, naming why);
+    its lead is logical rank 1, which takes the lock, continues, and ends with the loss and every writer on
+    record."""
     run = tmp_path / "stop"
     args = ["-m", "communities", "run", str(QUICKSTART), f"output.root={tmp_path}", "name=stop", SHRINK,
-            "faults.kill={3: 12}", "faults.slow_max=0.15", "consensus.stop=false", "--no-progress"]
+            "faults.kill={0: 12}", "faults.slow_max=0.15", "consensus.stop=false", "--no-progress"]
     proc = subprocess.Popen(ompi_command(8, args, ulfm=True), cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
@@ -155,8 +210,10 @@ def test_a_stop_after_a_loss_checkpoints_and_the_survivors_resume(tmp_path):
     assert proc.returncode == 75, (out[-2000:], err[-3000:])
     [ckpt] = [d for d in (run / "checkpoints").glob("u*") if (d / "COMPLETE").exists()]
     info = json.loads((ckpt / "COMPLETE").read_text())
-    assert info["alive"] == [0, 1, 2, 4, 5, 6, 7] and [e["rank"] for e in info["lost"]] == [3]
+    assert info["alive"] == list(range(1, 8)) and [e["rank"] for e in info["lost"]] == [0]
     assert sorted(info["files"]) == [f"rank{r:05d}.pt" for r in info["alive"]]
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "interrupted" and [w["rank"] for w in meta["writers"]] == [0, 1]
     (run / "STOP").unlink(missing_ok=True)  # (the engine removes it once it has stopped)
     refused = run_engine_ompi(8, QUICKSTART, tmp_path, "name=stop", SHRINK, ulfm=True, check=False,
                               extra=["--resume"], timeout=300)
@@ -165,9 +222,12 @@ def test_a_stop_after_a_loss_checkpoints_and_the_survivors_resume(tmp_path):
                            "consensus.stop=false", ulfm=True, extra=["--resume"], timeout=300)
     assert done.returncode == 0
     s = _summary(run)
-    assert s["units"] == 200 > info["t"] and [e["rank"] for e in s["membership"]["lost"]] == [3]  # the budget
-    assert s["membership"]["survivors"] == [0, 1, 2, 4, 5, 6, 7]
+    assert s["units"] == 200 > info["t"] and [e["rank"] for e in s["membership"]["lost"]] == [0]  # the budget
+    assert s["membership"]["survivors"] == list(range(1, 8))
     assert len(s["rank_test_acc"]) == 7
+    writers = json.loads((run / "meta.json").read_text())["writers"]
+    assert [(w["rank"], w["why"].split()[0]) for w in writers] == [(0, "started"), (1, "writer"), (1, "resumed")]
+    _intact(run)
 
 
 @pytest.mark.timeout(300)
