@@ -435,7 +435,8 @@ class FaultsConfig(_Section):
                                         "directory fails as on a full disk (ENOSPC), on every rank")
     kill: Dict[int, int] = Field(
         default_factory=dict, description="rank -> unit: the rank's process sends itself SIGKILL at that unit "
-        "(a lost rank, for comm.fault_tolerance tests), where kill_in says")
+        "(a lost rank, for comm.fault_tolerance tests), where kill_in says; 0: from the start (under async a rank "
+        "serves exchanges during its first unit, logged at t=0)")
     kill_in: Literal["train", "exchange", "round", "checkpoint"] = Field(
         "train", description="train: after the unit's training; exchange: inside its first exchange from that unit "
         "on, after the header swap (the partner waits in the weights' Sendrecv); round: at its first signature "
@@ -447,8 +448,8 @@ class FaultsConfig(_Section):
     def _nonzero_scale(self):
         if self.hostile_scale == 0:
             raise ValueError("faults.hostile_scale must be non-zero")
-        if any(r < 0 or t < 1 for r, t in self.kill.items()):
-            raise ValueError(f"faults.kill={self.kill}: ranks are >= 0 and units >= 1")
+        if any(r < 0 or t < 0 for r, t in self.kill.items()):
+            raise ValueError(f"faults.kill={self.kill}: ranks and units are >= 0")
         bad = {r: f for r, f in self.speed.items() if r < 0 or not f >= 1.0}
         if bad:
             raise ValueError(f"faults.speed={bad}: ranks are >= 0 and slowdown factors >= 1")
@@ -888,8 +889,9 @@ class Config(_Section):
         if self.comm.fault_tolerance != "shrink":
             return self
         why = None
-        if self.protocol != "virtual_clock":
-            why = f"protocol={self.protocol!r} (survivors roll back to a signature round every rank took)"
+        if self.protocol == "async" and self.comm.exchange == "posted":
+            why = ("protocol='async' with comm.exchange='posted' (halves in flight on the revoked communicator "
+                   "could not be paired up again; comm.exchange=sendrecv survives a loss)")
         elif self.strategy in ("ifca", "oracle"):
             why = f"strategy={self.strategy!r} (its k shared models would need every rank's pick again)"
         elif self.consensus.mode != "global":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
@@ -63,6 +64,7 @@ class AsyncMixer(Mixer):
         self._barrier: Optional[Any] = None  # the Ibarrier of the done phase, once posted
         self._budgets_done: Optional[Any] = None  # train.after_budget train: the Ibarrier "every budget is done"
         self.width = CONTROL_WIDTH  # int64 per control message
+        self.cut: Any = None  # comm.fault_tolerance shrink: the last exchange's record (async_survival.py)
 
     # ------------------------------------------------------------------ what the loop asks
 
@@ -87,14 +89,33 @@ class AsyncMixer(Mixer):
     def stop_reason(self, t: int, at_round: bool, signal: bool) -> Optional[StopReason]:
         """A stop asked here (broadcast to every rank, once) or heard from another rank; or the wall budget."""
         if signal and not self._stop_sent:
-            for r in range(self.n):
-                if r != self.rank:
-                    self._post(Message(Kind.STOP, r, 0, t))
-            self._stop_sent = True
+            self._send_stop(t)
         if signal or self.stop_received:
             return StopReason.SIGNAL
         budget = self.cfg.train.wall_budget
         return StopReason.BUDGET if budget is not None and self.timer.elapsed() >= budget else None
+
+    def _send_stop(self, t: int) -> None:
+        for r in np.flatnonzero(self.world.alive):
+            if r != self.rank:
+                self._post(Message(Kind.STOP, int(r), 0, t))
+        self._stop_sent = True
+
+    def after_loss(self) -> None:
+        """comm.fault_tolerance shrink: every message of the revoked communicator is void, so the pairing starts
+        over (requests and offers dropped, the drain's counts reset), and what was posted is posted again on the
+        new one: the Ibarriers, in the order they were, and a stop (engine/async_survival.py, rule 3)."""
+        rid = self.rz._next_rid  # request ids stay unique over the run (they name exchanges in the settling)
+        self.rz = Rendezvous(self.rank, self.rz.timeout)
+        self.rz._next_rid = rid
+        self.sent_to[:] = 0
+        self.got_from[:] = 0
+        if self._budgets_done is not None:
+            self._budgets_done = self.world.ibarrier()
+        if self._barrier is not None:
+            self._barrier = self.world.ibarrier()
+        if self._stop_sent:
+            self._send_stop(self.t)
 
     def train_on(self) -> bool:
         """train.after_budget train: True while some rank has not finished its budget, so this one, done, trains
@@ -117,8 +138,9 @@ class AsyncMixer(Mixer):
         if self.cfg.train.after_budget == "train" and self._budgets_done is None:
             self._budgets_done = self.world.ibarrier()
         if self._barrier is None:
-            barrier = self._barrier = self.world.ibarrier()
-            self._wait(lambda: barrier.Test(), "Ibarrier: every rank done")
+            self._barrier = self.world.ibarrier()
+        barrier = self._barrier  # (posted again on the new communicator after a loss: after_loss)
+        self._wait(lambda: barrier.Test(), "Ibarrier: every rank done")
         if self._budgets_done is not None:
             self._budgets_done.Wait()  # complete: every rank posted it before the done Ibarrier
         expected = self.world.alltoall_counts(self.sent_to)
@@ -240,7 +262,8 @@ class AsyncMixer(Mixer):
 
     def _run_exchange(self, ex: Exchange) -> None:
         if not ex.flags & SIGNATURES_ONLY:
-            self.exchange(self.t, ex.partner, ex.initiator, rule_t=min(self.t, ex.partner_unit))
+            with self.cut.around(ex.partner, ex.initiator, ex.rid) if self.cut is not None else nullcontext():
+                self.exchange(self.t, ex.partner, ex.initiator, rule_t=min(self.t, ex.partner_unit))
         self._swap_signatures(ex.partner)
         if ex.initiator == self.rank:
             self._own_end = ("exchanged", ex.partner)

@@ -38,9 +38,14 @@ class GossipRounds(SignatureRounds):
     def _gather(self, t: int) -> Optional[np.ndarray]:
         with self.timer(TimeCategory.SIGNATURE):
             self.table.set_own(self.signature.row(self.replica), t)
-        if not self.table.known.all():
+        known, alive = self.table.known, self.world.alive
+        if not (known | ~alive).all():
             return None  # the law needs every rank's signature; exchanges are spreading them
-        return self.table.rows.copy()
+        rows = self.table.rows.copy()
+        unknown = ~known  # lost before its row reached this rank: a neutral point (it draws no partner anyway)
+        if unknown.any():
+            rows[unknown] = rows[known].mean(axis=0)
+        return rows
 
     def run(self, t: int) -> Optional[RoundResult]:
         rnd = super().run(t)

@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -35,6 +35,7 @@ from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import RankLost, World
 from ..workload import private
 from . import protocols, survival, tensorboard_log
+from .async_survival import AsyncSurvival
 from .checkpoint import Checkpointer, Stateful
 from .community_mode import CommunityMode
 from .consensus import Decision
@@ -97,12 +98,18 @@ class Engine:
         if cfg.consensus.mode != "global":
             parts["mode"] = self.mode
         self.survival = survival.NoSurvival()
-        if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
-            self.survival = survival.Survival(
-                world, {k: v for k, v in parts.items() if k not in ("timer", "traffic")}, replica=self.replica,
-                lost_shard=cfg.comm.lost_shard, rewind=self._rewind, log_lost=self._log_lost,
-                take_over=self._take_over)
         self.argv = list(argv or sys.argv)
+        self.logged_t: int = 0  # the last unit whose row this rank logged (async: where a survivor goes on from)
+        if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
+            rolled = {k: v for k, v in parts.items() if k not in ("timer", "traffic")}
+            hooks: Dict[str, Any] = dict(replica=self.replica, lost_shard=cfg.comm.lost_shard,
+                                         rewind=self._rewind, log_lost=self._log_lost, take_over=self._take_over)
+            if cfg.protocol == "async":  # nothing rolled back: the survivors settle and go on (async_survival.py)
+                self.survival = AsyncSurvival(world, rolled, mixer=self.mixer, logged_t=lambda: self.logged_t,
+                                              run_dir=self.run_dir, **hooks)
+                self.log.seen = {}  # a final gather cut by a loss is gathered again: its rows are written once
+            else:
+                self.survival = survival.Survival(world, rolled, **hooks)
         self.checkpoints = Checkpointer(cfg, world, Path(run_dir) / "checkpoints", parts=parts,
                                         before_save=lambda: self.log.flush(final=True), info=self._checkpoint_info,
                                         failure=lambda: self.run_dir.failure, faults=self.faults)
@@ -113,6 +120,7 @@ class Engine:
             raise
         self.run_dir.resume_data = None
         self.loaded_t = self.t if resumed is not None else -1
+        self.logged_t = self.t
         if resumed is not None:
             self.survival.restore(read_info(resumed))
         if world.leads and cfg.logging.tensorboard:
@@ -175,6 +183,7 @@ class Engine:
         self.log.unit(self.replica.train_unit(t, self.mixer.grad_sync, self.mixer.unit_steps,
                                               self.mixer.between_batches),
                       None if hyper is None else hyper.values.copy())
+        self.logged_t = t
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
         decision = self._round(t) if self.rounds.due(t) else None
         self.log.consensus(self.consensus.evaluate_due(t))
@@ -246,6 +255,7 @@ class Engine:
         """The new lead, when the writer was lost: the run directory, and the log's writing side, are its own."""
         self.run_dir.take_over(t, lost, self.argv)
         self.log.writer = self.run_dir.writer
+        self.log.load_seen(self.run_dir.path)  # (async: what the lost writer wrote is not written again)
         if self.cfg.logging.tensorboard and self.log.board is None:
             self.log.board = tensorboard_log.TensorBoardLog(self.cfg, self.run_dir.path, t)
 

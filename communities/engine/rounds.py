@@ -168,6 +168,7 @@ class SignatureRounds:
             if not self.cfg.signature.overlap:
                 S = self.world.allgather(sig)
                 if not self.world.whole:  # a lost rank keeps its last signature: a point, not a pull to the origin
+                    S = S.copy()  # (a population's gather is one read-only array for the process's replicas)
                     lost = ~self.world.alive
                     S[lost] = self.last_rows[lost] if self.last_rows is not None else 0.0
                 self.last_rows = S

@@ -233,9 +233,13 @@ class RunDirectory:
             log.debug(note)
         writer = RunWriter(self.path, resume=True)
         writer.sweep()
+        for name in LOGS + ("views.jsonl",):  # a line the writer was appending when it died
+            repair_jsonl(self.path / name)
         self.meta = read_json(self.path / "meta.json")
         self.meta.setdefault("writers", []).append(
-            self._writer_entry(f"writer rank {', '.join(map(str, lost))} lost; survivors went on from t={t}"))
+            self._writer_entry(f"writer rank {min(lost)} lost" + (f" (with ranks {', '.join(map(str, lost[1:]))})"
+                                                                   if len(lost) > 1 else "")
+                               + f"; survivors went on from t={t}"))
         writer.write_json("meta.json", self.meta)
         writer.defer_errors()
         self.writer = writer
@@ -351,7 +355,7 @@ class RunDirectory:
         w.failure, reason = None, str(exc)
         self.meta.update(status="failed", end_time=now(), reason=reason)
         w.defer_errors()
-        wrote = w.write_json("meta.json", self.meta) or self._meta_in_place()
+        wrote = w.write_json("meta.json", self.meta) or json_in_place(self.path / "meta.json", self.meta)
         self.release()
         found = complete_dirs(self.checkpoints)
         last = f"its last complete checkpoint {found[0].name} is intact" if found else "it has no checkpoint yet"
@@ -363,24 +367,24 @@ class RunDirectory:
         collective(err)
         return err
 
-    def _meta_in_place(self) -> bool:
-        """On a disk with no room for a new file, overwrite meta.json's own blocks (it only grows by a line)."""
-        path = self.path / "meta.json"
-        try:
-            data = (json.dumps(self.meta, indent=2) + "\n").encode()
-            with open(path, "r+b") as fh:
-                fh.write(data)
-                fh.truncate()
-                fh.flush()
-                os.fsync(fh.fileno())
-            return True
-        except OSError:
-            return False
-
     def release(self) -> None:
         """Rank 0: give the directory's lock back (idempotent)."""
         if self.lock is not None:
             self.lock.release()
+
+
+def json_in_place(path: Path, obj: dict) -> bool:
+    """On a disk with no room for a new file, overwrite a JSON file's own blocks (meta.json only grows by a line)."""
+    try:
+        data = (json.dumps(obj, indent=2) + "\n").encode()
+        with open(path, "r+b") as fh:
+            fh.write(data)
+            fh.truncate()
+            fh.flush()
+            os.fsync(fh.fileno())
+        return True
+    except OSError:
+        return False
 
 
 def describe_partition(replica) -> dict:

@@ -13,6 +13,7 @@ views go to ``views.jsonl``.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 from itertools import groupby
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
                 "bytes_in_process", "test_loss") + TIME_CATEGORIES
+LOG_FILES = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl", "views.jsonl")
 DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_epsilon")  # privacy.enabled
 
 
@@ -71,6 +73,9 @@ class RunLog:
         self.board: Optional[TensorBoardLog] = None  # rank 0 with logging.tensorboard: the same rows as scalars
         self.hyper_names = pbt.Space.of(cfg.pbt.params).names if cfg.pbt.enabled else ()
         self.hyper_rows: List[np.ndarray] = []  # pbt: one row per metric row
+        # async under comm.fault_tolerance shrink: the rows written, per file, so that a final gather a loss cut
+        # after it reached the lead (the others send their rows again) writes each row once
+        self.seen: Optional[Dict[str, set]] = None
 
     def unit(self, row: MetricRow, hyper: Optional[np.ndarray] = None) -> None:
         """A unit's row; under pbt with the replica's hyperparameters as they were for it."""
@@ -91,7 +96,7 @@ class RunLog:
         if rows and self.writer is not None:
             if self.lm is not None:
                 rows = [self.lm.with_bpb(r) for r in rows]
-            self.writer.append_jsonl("consensus.jsonl", rows)
+            self._append("consensus.jsonl", rows)
             if self.board is not None:
                 self.board.consensus(rows)
 
@@ -154,14 +159,36 @@ class RunLog:
             for row, v in zip(rows, values):
                 row["hyper"] = {n: float(x) for n, x in zip(self.hyper_names, v)}
         rows.sort(key=lambda d: (d["t"], d["rank"]))
-        self.writer.append_jsonl("metrics.jsonl", rows)
+        self._append("metrics.jsonl", rows)
         if self.board is not None:
             self.board.metrics(rows)
         events = [MergeRow.from_row(m) for block in merges for m in block]
         mrows = [e.to_json(self.cfg.merge.rule if e.event == Event.MERGE else self.cfg.strategy) for e in events]
         mrows.sort(key=lambda d: (d["t"], d["initiator"], d["i"]))
-        self.writer.append_jsonl("merges.jsonl", mrows)
+        mrows = self._append("merges.jsonl", mrows)
         self.merges_logged += sum(1 for m in mrows if m["i"] == m["initiator"] and m["event"] == "merge")
+
+    def _append(self, name: str, rows: List[dict]) -> List[dict]:
+        """The lead: append ``rows`` to ``name`` (those not written already, when ``seen`` keeps track)."""
+        assert self.writer is not None
+        if self.seen is not None:
+            seen = self.seen.setdefault(name, set())
+            fresh = []
+            for r in rows:
+                key = json.dumps(r, sort_keys=True, default=str)
+                if key not in seen:
+                    seen.add(key)
+                    fresh.append(r)
+            rows = fresh
+        self.writer.append_jsonl(name, rows)
+        return rows
+
+    def load_seen(self, run_dir: Path) -> None:
+        """A new writer (the lost writer's heir) that keeps track: what its files already hold."""
+        if self.seen is None:
+            return
+        for name in LOG_FILES:
+            self.seen[name] = {json.dumps(r, sort_keys=True, default=str) for r in read_jsonl(run_dir / name)}
 
     @staticmethod
     def _block(rows, record) -> np.ndarray:
@@ -183,7 +210,7 @@ class RunLog:
             for key, v in zip(fields, block[0]):
                 d[key] = finite_or_none(v) if key.startswith("q") else int(v)
             out.append(d)
-        self.writer.append_jsonl("examples.jsonl", out)
+        self._append("examples.jsonl", out)
 
     # ------------------------------------------------------------------ the end
 
@@ -293,7 +320,7 @@ class RunLog:
         assert self.writer is not None  # rank 0
         rows = [{"rank": r, "round": int(v[0]), "t": int(v[1]), "wall": round(float(v[2]), 4),
                  "labels": [int(x) for x in v[3:]]} for r, block in enumerate(blocks) for v in block]
-        self.writer.append_jsonl("views.jsonl", rows)
+        self._append("views.jsonl", rows)
         return view_agreement(rows)
 
     def state_dict(self) -> dict:
@@ -430,8 +457,8 @@ def placement_summary(processes: int, replicas: int, g: Dict[str, np.ndarray]) -
     if processes >= replicas:
         return None
     per = replicas // processes
-    train = g["train"].reshape(processes, per).sum(axis=1)
-    wall = g["wall"].reshape(processes, per).max(axis=1)
+    train = g["train"].reshape(-1, per).sum(axis=1)  # (a lost process took its whole block: the survivors')
+    wall = g["wall"].reshape(-1, per).max(axis=1)
     return {"processes": processes, "replicas_per_process": per,
             "bytes_network_mean": float((g["bytes_sent"] - g["bytes_in_process"]).mean()),
             "bytes_in_process_mean": float(g["bytes_in_process"].mean()),

@@ -59,6 +59,7 @@ def audit(run: Path) -> List[str]:
         text = path.read_text(encoding="utf-8", errors="replace")
         if text and not text.endswith("\n"):
             out.append(f"{path}: its last line is torn")
+            text = text.rpartition("\n")[0]  # the whole lines are read on
         try:
             rows[name] = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as exc:

@@ -80,6 +80,7 @@ class World(PointToPoint):
     def recover(self) -> List[int]:
         """After ``RankLost``: revoke, shrink to the survivors, and agree; returns the logical ranks newly lost."""
         self.comm, kept = ulfm.shrink(self.comm)
+        self.drop_posts()  # sends posted on the revoked communicator (protocol async's control messages)
         lost = self.membership.keep(kept)
         self.set_timeout(self._timeout)  # the watchdog aborts the new communicator
         return lost
@@ -193,12 +194,13 @@ class World(PointToPoint):
 
     def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
         """Each rank's count for every rank in, each rank's count from every rank out (int64 Alltoall)."""
-        send = np.ascontiguousarray(counts, dtype=np.int64)
+        full = np.ascontiguousarray(counts, dtype=np.int64)
+        send = full if self.whole else np.ascontiguousarray(full[self.members])  # (the survivors' columns)
         recv = np.empty_like(send)
         with self.collective("Alltoall of counts"):
             self.comm.Alltoall(send, recv)
         self.bytes_control += send.nbytes * (self.n_alive - 1) // max(self.n_alive, 1)
-        return recv
+        return recv if self.whole else self.membership.spread(recv)
 
     def bcast_(self, t: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
         root = self.root(root)

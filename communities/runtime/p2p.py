@@ -5,8 +5,9 @@ training traffic (a caller meters them otherwise: ``Traffic.metered``).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from enum import IntEnum
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -70,27 +71,49 @@ class PointToPoint(LogicalRanks):
 
     # -- small messages, polled (protocol async)
 
+    @contextmanager
+    def _failures(self, what: str) -> Iterator[None]:
+        """Around a non-blocking call: a lost peer (comm.fault_tolerance shrink) raises ``RankLost``, as in a wait."""
+        try:
+            yield
+        except Exception as exc:
+            if self.watchdog.translate is not None:
+                self.watchdog.translate(exc, what)
+            raise
+
     def post_ints(self, values: np.ndarray, dest: int, tag: int) -> None:
-        """A non-blocking send of a few int64; the buffer is kept until the send completes."""
+        """A non-blocking send of a few int64 to logical rank ``dest``; the buffer is kept until it completes."""
         buf = np.ascontiguousarray(values, dtype=np.int64)
-        self._posted.append((self.comm.Isend(buf, dest=dest, tag=tag), buf))
-        self.bytes_sent += buf.nbytes
-        if len(self._posted) > 64:
-            self._posted = [(r, b) for r, b in self._posted if not r.Test()]
+        with self._failures(f"Isend of a control message to rank {dest}"):
+            self._posted.append((self.comm.Isend(buf, dest=self._p(dest), tag=tag), buf))
+            self.bytes_sent += buf.nbytes
+            if len(self._posted) > 64:
+                self._posted = [(r, b) for r, b in self._posted if not r.Test()]
 
     def poll_ints(self, tag: int, count: int) -> Optional[Tuple[int, np.ndarray]]:
-        """(source, values) of one waiting message of ``count`` int64 with ``tag``, or None (Iprobe: never blocks)."""
+        """(logical source, values) of one waiting message of ``count`` int64 with ``tag``, or None (Iprobe: never
+        blocks)."""
         status = self.MPI.Status()
-        if not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=tag, status=status):
-            return None
-        src = status.Get_source()
+        with self._failures("Iprobe for control messages"):
+            if not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=tag, status=status):
+                return None
+        src = self.membership.logical(status.Get_source())
         return src, self.recv_ints(src, tag, count)
 
     def recv_ints(self, source: int, tag: int, count: int) -> np.ndarray:
         buf = np.empty(count, dtype=np.int64)
         with self.watchdog.waiting(f"Recv of a control message from rank {source}"):
-            self.comm.Recv(buf, source=source, tag=tag)
+            self.comm.Recv(buf, source=self._p(source), tag=tag)
         return buf
+
+    def drop_posts(self) -> None:
+        """After a shrink: the sends posted on the revoked communicator are void (their requests are freed)."""
+        for req, _ in self._posted:
+            try:
+                req.Free()
+            except Exception:  # a revoked request may refuse: it is gone with its communicator either way
+                pass
+        self._posted = []
 
     # -- posted halves of an exchange (comm.exchange: posted): started now, tested between batches
 
@@ -120,9 +143,24 @@ class PointToPoint(LogicalRanks):
                 req.Wait()
         self._posted = []
 
-    def ibarrier(self):
-        """A non-blocking barrier: ``Test()`` is True once every rank has posted it."""
-        return self.comm.Ibarrier()
+    def ibarrier(self) -> "PolledRequest":
+        """A non-blocking barrier: ``Test()`` is True once every rank alive has posted it."""
+        return PolledRequest(self.comm.Ibarrier(), self, "Ibarrier")
+
+
+class PolledRequest:
+    """A non-blocking collective's request, tested between batches: a lost peer raises ``RankLost``."""
+
+    def __init__(self, request, world: PointToPoint, what: str):
+        self.request, self.world, self.what = request, world, what
+
+    def Test(self) -> bool:
+        with self.world._failures(self.what):
+            return bool(self.request.Test())
+
+    def Wait(self) -> None:
+        with self.world.watchdog.waiting(self.what):
+            self.request.Wait()
 
 
 def _mpi_buffer(buf: Any) -> Any:

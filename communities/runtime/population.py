@@ -38,6 +38,7 @@ from ..core.placement import Placement, tree_sum
 from ..errors import ConfigError, Disagreement
 from .logical import LogicalRanks
 from .membership import Membership
+from .ulfm import RankLost
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
 TAG_KINDS = 16  # message kinds (``p2p.Tag``) below this: a network tag is (src, dst, kind)
@@ -55,13 +56,12 @@ def refusal(cfg, processes: int) -> Optional[str]:
     why = []
     if cfg.protocol == "async":
         why.append("protocol=async (its replicas serve each other between batches: one replica per process)")
-    if cfg.comm.fault_tolerance == "shrink":
-        why.append("comm.fault_tolerance=shrink (a lost process would take a block of replicas)")
     if cfg.device not in ("cpu",):
         why.append(f"device={cfg.device!r} (replicas in one process run on the CPU for now)")
-    for key in ("kill", "speed"):
-        if getattr(cfg.faults, key):
-            why.append(f"faults.{key} (it acts on a process)")
+    if cfg.faults.speed:
+        why.append("faults.speed (it acts on a process)")
+    if cfg.faults.kill and cfg.comm.fault_tolerance != "shrink":
+        why.append("faults.kill without comm.fault_tolerance=shrink (it kills a process)")
     if cfg.faults.stall_rank is not None:
         why.append("faults.stall_rank (it stalls a process)")
     if not why:
@@ -115,6 +115,9 @@ class Hub:
         self._p2p: Dict[int, Exchange] = {}  # waiting for a partner in this process
         self._network: Dict[int, Exchange] = {}  # in flight between processes
         self._collective: Dict[int, Collective] = {}
+        self._worlds: Dict[int, "ReplicaWorld"] = {}
+        self.membership = Membership(replicas)  # the replicas alive: a lost process takes its block with it
+        self.epoch = 0  # recoveries so far (``shared`` keys: the exchange list of unit t depends on who is alive)
 
     # ------------------------------------------------------------ the schedule
 
@@ -129,37 +132,56 @@ class Hub:
         start = torch.get_rng_state()
         self._glets = {}
         for r in self.block:
-            w = ReplicaWorld(self, r)
+            w = self._worlds[r] = ReplicaWorld(self, r)
             self._glets[r] = greenlet.greenlet(lambda w=w: target(w))
             self._rng[r] = start.clone()
         results: Dict[int, Any] = {}
         ready: Deque[Tuple[int, Any]] = deque((r, _START) for r in self.block)
         try:
             while len(results) < len(self.block):
-                while ready:
-                    r, value = ready.popleft()
-                    out = self._resume(r, value)
-                    if self._glets[r].dead:
-                        results[r] = out
-                    else:
-                        ready.extend(self._post(r, out))
-                if len(results) == len(self.block):
-                    break
-                if len(self._collective) + len(results) == len(self.block) and self._collective:
-                    ready.extend(self._run_collective(results))
-                elif self._network:
-                    ready.extend(self._wait_network())
-                else:
-                    raise RuntimeError(f"replicas of process {self.world.rank} wait on each other: "
-                                       f"{self._describe(results)}")
+                try:
+                    self._schedule(ready, results)
+                except RankLost as exc:  # a peer process was lost (comm.fault_tolerance shrink)
+                    ready = self._lost(exc, results)
         finally:
             torch.set_rng_state(start)
             self._glets = {}
         return [results[r] for r in self.block]
 
+    def _schedule(self, ready: Deque[Tuple[int, Any]], results: Dict[int, Any]) -> None:
+        """Resume the replicas that can go on; when all wait, complete what they wait on (one step of ``run``)."""
+        while ready:
+            r, value = ready.popleft()
+            out = self._resume(r, value)
+            if self._glets[r].dead:
+                results[r] = out
+            else:
+                ready.extend(self._post(r, out))
+        if len(results) == len(self.block):
+            return
+        if len(self._collective) + len(results) == len(self.block) and self._collective:
+            ready.extend(self._run_collective(results))
+        elif self._network:
+            ready.extend(self._wait_network())
+        else:
+            raise RuntimeError(f"replicas of process {self.world.rank} wait on each other: "
+                               f"{self._describe(results)}")
+
+    def _lost(self, exc: RankLost, results: Dict[int, Any]) -> Deque[Tuple[int, Any]]:
+        """A peer process was lost: what each replica waited on is void; each gets the ``RankLost`` to recover."""
+        for q in (q for op in self._network.values() for q in op.requests):
+            try:
+                q.Free()
+            except Exception:  # a request of the revoked communicator: gone with it either way
+                pass
+        self._p2p, self._network, self._collective = {}, {}, {}
+        return deque((r, _Throw(exc)) for r in self.block if r not in results)
+
     def _resume(self, r: int, value: Any) -> Any:
         torch.set_rng_state(self._rng[r])
         try:
+            if isinstance(value, _Throw):
+                return self._glets[r].throw(value.exc)
             return self._glets[r].switch() if value is _START else self._glets[r].switch(value)
         finally:
             self._rng[r] = torch.get_rng_state()
@@ -202,9 +224,10 @@ class Hub:
         return ((src % b) * b + dst % b) * TAG_KINDS + int(kind)
 
     def _send_network(self, r: int, op: Exchange) -> None:
-        comm, proc = self.world.comm, self.placement.process_of(op.peer)
-        op.requests = [comm.Irecv(op.recv, source=proc, tag=self._tag(op.tag, op.peer, r)),
-                       comm.Isend(op.send, dest=proc, tag=self._tag(op.tag, r, op.peer))]
+        comm, proc = self.world.comm, self.world._p(self.placement.process_of(op.peer))
+        with self.world._failures(f"Isend/Irecv of replica {r} with replica {op.peer}"):
+            op.requests = [comm.Irecv(op.recv, source=proc, tag=self._tag(op.tag, op.peer, r)),
+                           comm.Isend(op.send, dest=proc, tag=self._tag(op.tag, r, op.peer))]
         self._network[r] = op
 
     def _wait_network(self) -> List[Tuple[int, Any]]:
@@ -216,7 +239,7 @@ class Hub:
         if requests:
             what = f"Sendrecv of replicas {sorted(self._network)[:8]} with other processes"
             with self.world.watchdog.waiting(what):
-                MPI.Request.Waitsome(requests)
+                waitsome(MPI, requests)
         done = sorted(r for r, op in self._network.items() if all(q == MPI.REQUEST_NULL for q in op.requests))
         for r in done:
             del self._network[r]
@@ -239,10 +262,11 @@ class Hub:
 
     def _c_allgather(self, ops: List[Collective]) -> List[Any]:
         block = np.stack([np.ascontiguousarray(op.value) for op in ops])
-        out = np.empty((self.world.size,) + block.shape, dtype=block.dtype)
-        with self.world.collective(ops[0].what):
-            self.world.comm.Allgather(block, out)
-        out = out.reshape((self.placement.replicas,) + block.shape[1:])
+        w = self.world
+        out = np.empty((w.n_alive,) + block.shape, dtype=block.dtype)
+        with w.collective(ops[0].what):
+            w.comm.Allgather(block, out)
+        out = w.membership.spread(out).reshape((self.placement.replicas,) + block.shape[1:])  # (lost: zeros)
         out.setflags(write=False)  # one array for every replica of the process: read it, do not change it
         return [out] * len(ops)
 
@@ -252,10 +276,23 @@ class Hub:
         return [texts] * len(ops)
 
     def _c_agree(self, ops: List[Collective]) -> List[Any]:
-        """The ranks whose digest differs from rank 0's (found once for the process)."""
+        """The replicas whose digest differs from the lead's (found once for the process)."""
         rows = self._c_allgather(ops)[0]
-        bad = np.flatnonzero((rows != rows[0]).any(axis=1)).tolist()
+        alive = self.membership.alive
+        bad = np.flatnonzero((rows != rows[self.membership.lead]).any(axis=1) & alive).tolist()
         return [bad] * len(ops)
+
+    def _c_recover(self, ops: List[Collective]) -> List[Any]:
+        """Shrink the processes' communicator to the survivors; a lost process is the loss of its block of
+        replicas. Every replica world of this process learns the same membership."""
+        lost_processes = self.world.recover()
+        lost = sorted(r for p in lost_processes for r in self.placement.block(p))
+        members = [int(r) for r in self.membership.members if r not in set(lost)]
+        self.membership = Membership(self.placement.replicas, members)
+        self.epoch += 1
+        for w in self._worlds.values():
+            w.membership = Membership(self.placement.replicas, members)
+        return [lost] * len(ops)
 
     def _c_allreduce(self, ops: List[Collective]) -> List[Any]:
         values = [op.value for op in ops]
@@ -349,6 +386,7 @@ class Hub:
 
     def shared(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per process for ``key``: the same object for every replica (read it, do not change it)."""
+        key = (self.epoch, key)  # after a loss, what was computed for the larger membership is computed again
         if key not in self.memo:
             self.memo[key] = compute()
         return self.memo[key]
@@ -357,6 +395,13 @@ class Hub:
         if self._timeout_set != timeout:
             self._timeout_set = timeout
             self.world.set_timeout(timeout)
+
+
+@dataclass
+class _Throw:
+    """What a waiting replica is resumed with when a peer process was lost: the exception to raise in it."""
+
+    exc: BaseException
 
 
 class _QuietWatchdog:
@@ -432,10 +477,14 @@ class ReplicaWorld(LogicalRanks):
         self.hub.world.abort(code)
 
     def enable_shrink(self) -> None:
-        raise ConfigError("comm.fault_tolerance=shrink runs one replica per MPI process")
+        """ULFM on the process's own world (once for its replicas): a lost process is the loss of its block."""
+        if not self.hub.world.shrinks:
+            self.hub.world.enable_shrink()
+        self.shrinks = True
 
     def recover(self) -> List[int]:
-        raise RuntimeError("a population cannot shrink")
+        """After ``RankLost``: every replica of the process asks; the hub shrinks the processes once."""
+        return self.hub.wait(Collective("recover", "Shrink to the surviving processes"))
 
     def set_membership(self, members: List[int], size: int) -> None:
         raise ConfigError(f"this run directory was left by the survivors of a lost rank ({len(members)} of {size} "
@@ -559,6 +608,21 @@ class ReplicaWorld(LogicalRanks):
         self._swap_arrays(send, recv, peer, tag)
         self.bytes_sent += send.nbytes
         return recv
+
+
+def waitsome(MPI, requests: list) -> None:
+    """``Request.Waitsome``, raising a failed request's own error (a lost peer's: ``ERR_PROC_FAILED``) rather
+    than ``ERR_IN_STATUS``, so that the watchdog can name it (comm.fault_tolerance shrink)."""
+    statuses = [MPI.Status() for _ in requests]
+    try:
+        MPI.Request.Waitsome(requests, statuses)
+    except MPI.Exception as exc:
+        if exc.Get_error_class() != MPI.ERR_IN_STATUS:
+            raise
+        for st in statuses:
+            if st.Get_error() != MPI.SUCCESS:
+                raise MPI.Exception(st.Get_error()) from exc
+        raise
 
 
 def run_population(world, replicas: int, target: Callable[[Any], Any]) -> List[Any]:

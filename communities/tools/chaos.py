@@ -4,7 +4,8 @@ Why: a test that kills one chosen rank at one chosen point proves one path; user
 a job that keeps going while workers die at any moment, the writer included. So the launcher side here
 starts a job with ``comm.fault_tolerance: shrink`` under Open MPI's ULFM, waits for its first signature
 round, then every ``--every LO HI`` seconds (uniform) sends SIGKILL to a rank drawn at random among those
-alive, rank 0 and the current writer included, until ``--keep`` ranks remain. The ranks' processes are found
+alive, rank 0 and the current writer included, until ``--keep`` ranks remain (one kill, drawn at random among
+them, targets the writer itself unless ``--no-kill-writer``). The ranks' processes are found
 as the launcher's descendants that carry an MPI rank in their environment (Open MPI's ``OMPI_COMM_WORLD_RANK``,
 PMIx's ``PMIX_RANK``, MPICH's ``PMI_RANK``), so nothing in the job helps the killer.
 
@@ -28,7 +29,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-PROTOCOLS = {"sync": [], "async": ["protocol=async"]}
+# per protocol: a checkpoint every 100 units under the virtual clock (kills land in them too); async checkpoints
+# only at a stop and at the end
+PROTOCOLS = {"sync": ["checkpoint.every=100"], "async": ["protocol=async", "comm.timeout=60"]}
 
 
 def rank_processes(launcher_pid: int) -> Dict[int, int]:
@@ -91,8 +94,12 @@ def _mpiexec_version(mpiexec: str) -> str:
         return ""
 
 
-def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random, timeout: float) -> List[dict]:
-    """Kill a random rank every U(every) seconds from the first round on, until ``keep`` remain; then wait."""
+def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random, timeout: float,
+         writer_kill: Optional[int] = None) -> List[dict]:
+    """Kill a random rank every U(every) seconds from the first round on, until ``keep`` remain; then wait.
+
+    ``writer_kill``: the kill (0-based) that targets the writer, the lowest rank alive, rather than a random rank.
+    """
     deadline = time.monotonic() + timeout
     kills: List[dict] = []
     while proc.poll() is None and not (run / "rounds" / "round_0000").exists() and time.monotonic() < deadline:
@@ -109,7 +116,7 @@ def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random
         alive = {r: p for r, p in rank_processes(proc.pid).items() if r not in {k["rank"] for k in kills}}
         if len(alive) <= keep:
             break
-        rank = rng.choice(sorted(alive))
+        rank = min(alive) if len(kills) == writer_kill else rng.choice(sorted(alive))
         try:
             os.kill(alive[rank], signal.SIGKILL)
         except ProcessLookupError:
@@ -170,7 +177,9 @@ def bench_chaos(args) -> int:
             continue
         t0 = time.monotonic()
         proc = launch(mpiexec, args.ranks, args.config, root, f"{protocol}_chaos", sets)
-        kills = soak(proc, root / f"{protocol}_chaos", args.keep, args.every, random.Random(args.seed), args.timeout)
+        rng = random.Random(args.seed)
+        writer_kill = rng.randrange(args.ranks - args.keep) if args.kill_writer else None
+        kills = soak(proc, root / f"{protocol}_chaos", args.keep, args.every, rng, args.timeout, writer_kill)
         wall = time.monotonic() - t0
         v = verdict(root / f"{protocol}_chaos", kills, proc.returncode)
         v.update(protocol=protocol, kills=kills, wall_s=round(wall, 1), clean_wall_s=base.get("wall_time"),
@@ -210,10 +219,13 @@ def add_parser(sub) -> None:
     p.add_argument("--every", type=float, nargs=2, default=[5.0, 10.0], metavar=("LO", "HI"),
                    help="seconds between kills, uniform in [LO, HI]")
     p.add_argument("--protocols", nargs="+", default=["sync", "async"], choices=sorted(PROTOCOLS))
-    p.add_argument("--set", action="append", default=["consensus.stop=false", "train.budget=1500",
-                                                      "comm.lost_shard=adopt", "checkpoint.every=100"],
+    p.add_argument("--set", action="append", default=["consensus.stop=false", "train.budget=3000",
+                                                      "comm.lost_shard=adopt"],
                    metavar="KEY=VALUE", help="a config override for both runs (repeatable; added to the defaults: "
-                   "no consensus stop, 1500 units, adopted shards, a checkpoint every 100 units)")
+                   "no consensus stop, 3000 units, adopted shards; sync also checkpoints every 100 units)")
+    p.add_argument("--no-kill-writer", dest="kill_writer", action="store_false",
+                   help="every kill at random (by default one of them, drawn at random, targets the writer: the "
+                        "lowest rank alive)")
     p.add_argument("--tolerance", type=float, default=1.0, help="points of consensus accuracy the soak may lose")
     p.add_argument("--seed", type=int, default=0, help="seed of the killer's draws")
     p.add_argument("--mpiexec", default=None, help="an MPI launcher with ULFM (default: mpiexec next to python)")

@@ -161,8 +161,8 @@ def tiny_batch(tmp_path_factory, label: str, n: int, jobs: Dict[str, Sequence[st
     return TinyRuns(root, config, results)
 
 
-def initial_mean_and_final(config_path: Path, n: int, run_dir: Path):
-    """(mean of the n per-rank initial weights, the run's consensus parameters, mean spread), float64."""
+def initial_weights(config_path: Path, n: int) -> list:
+    """The n ranks' initial parameters under ``model.init=per_rank``, float64."""
     import torch
 
     from communities import config
@@ -175,12 +175,31 @@ def initial_mean_and_final(config_path: Path, n: int, run_dir: Path):
         torch.manual_seed(models.init_seed(cfg.seed, rank, "per_rank"))
         flat, n_params = models.flatten_(models.build(cfg.model, ds.input_shape, ds.n_classes))
         inits.append(flat[:n_params].double())
-    mean0 = torch.stack(inits).mean(0)
-    spread0 = float(torch.stack([torch.dist(w, mean0) for w in inits]).mean() / mean0.norm())
+    return inits
+
+
+def consensus_weights(config_path: Path, run_dir: Path):
+    """The run's ``consensus.pt`` as one float64 vector, in the model's parameter order."""
+    import torch
+
+    from communities import config
+    from communities.workload import data, models
+
+    cfg = config.load(config_path)
+    ds = data.load(cfg.data, cfg.seed)
     w = torch.load(run_dir / "consensus.pt", weights_only=True)
     names = [k for k, _ in models.build(cfg.model, ds.input_shape, ds.n_classes).named_parameters()]
-    final = torch.cat([w[k].reshape(-1) for k in names]).double()
-    return mean0, final, spread0
+    return torch.cat([w[k].reshape(-1) for k in names]).double()
+
+
+def initial_mean_and_final(config_path: Path, n: int, run_dir: Path):
+    """(mean of the n per-rank initial weights, the run's consensus parameters, mean spread), float64."""
+    import torch
+
+    inits = initial_weights(config_path, n)
+    mean0 = torch.stack(inits).mean(0)
+    spread0 = float(torch.stack([torch.dist(w, mean0) for w in inits]).mean() / mean0.norm())
+    return mean0, consensus_weights(config_path, run_dir), spread0
 
 
 # --------------------------------------------------------------------------- a run to interrupt

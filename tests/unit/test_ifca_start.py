@@ -72,8 +72,8 @@ class StartMixer(FakeMixer):
         super().__init__()
         self.rank = rank
         self.scores = list(scores)  # the mean training loss of each start, as the Allreduce would give it
-        self.world = SimpleNamespace(rank=rank, size=n, bytes_sent=0, bcast_=lambda buf, root: None,
-                                     allgather=lambda row: rows, allreduce_scalar=self._score)
+        self.world = SimpleNamespace(rank=rank, size=n, bytes_sent=0, bcast_=lambda buf, root=None: None,
+                                     leads=rank == 0, allgather=lambda row: rows, allreduce_scalar=self._score)
         self.agreement = SimpleNamespace(update=lambda *arrays: self.calls.append(("agree", arrays[0].tolist())))
 
     def _score(self, value):

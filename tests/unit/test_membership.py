@@ -110,20 +110,25 @@ def test_open_mpi_without_ft_flags_is_refused(monkeypatch):
     assert ulfm_problem(env={"OMPI_MCA_mpi_ft_enable": "1"}) is None
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("protocol=async", "protocol='async'"),
-    ("strategy=ifca", "strategy='ifca'"),
-    ("signature.overlap=true", "signature.overlap"),
+@pytest.mark.parametrize("overrides, needle", [
+    (["protocol=async", "comm.exchange=posted"], "comm.exchange='posted'"),
+    (["strategy=ifca"], "strategy='ifca'"),
+    (["signature.overlap=true"], "signature.overlap"),
 ])
-def test_shrink_refuses_what_it_cannot_roll_back(override, needle):
+def test_shrink_refuses_what_it_cannot_roll_back(overrides, needle):
     with pytest.raises(ConfigError, match="comm.fault_tolerance") as err:
-        config.load("configs/quickstart.yaml", ["comm.fault_tolerance=shrink", override])
+        config.load("configs/quickstart.yaml", ["comm.fault_tolerance=shrink", *overrides])
     assert needle in str(err.value)
+
+
+def test_shrink_runs_under_async_with_blocking_exchanges():
+    cfg = config.load("configs/quickstart.yaml", ["comm.fault_tolerance=shrink", "protocol=async"])
+    assert cfg.comm.exchange == "sendrecv"
 
 
 def test_kill_faults_are_checked():
     with pytest.raises(ConfigError, match="faults.kill"):
-        config.load("configs/quickstart.yaml", ["faults.kill={3: 0}"])
+        config.load("configs/quickstart.yaml", ["faults.kill={3: -1}"])
     cfg = config.load("configs/quickstart.yaml", ["faults.kill={9: 4}"])
     with pytest.raises(ConfigError, match="faults.kill names rank 9"):
         cfg.check_world(8)
@@ -142,7 +147,8 @@ class _Part:
 
 def test_survival_keeps_the_last_two_round_copies(survivor):
     part = _Part()
-    s = Survival(survivor, {"part": part}, replica=None, lost_shard="drop", rewind=None, log_lost=None)
+    s = Survival(survivor, {"part": part}, replica=None, lost_shard="drop", rewind=None, log_lost=None,
+                 take_over=None)
     for t in (0, 5, 10):
         part.value.fill_(t)
         s.remember(t)
@@ -154,3 +160,61 @@ def test_survival_keeps_the_last_two_round_copies(survivor):
 def test_lost_rows_are_merge_events():
     [row] = lost_rows([{"rank": 3, "t": 10, "adopted_by": 4}])
     assert row["event"] == "lost" and (row["i"], row["j"], row["t"], row["adopted_by"]) == (3, -1, 10, 4)
+
+
+def test_the_lead_is_the_lowest_rank_alive():
+    """Rank 0 leads (writes, roots every gather) while it lives; after its loss the lowest survivor does."""
+    m = Membership(6)
+    assert m.lead == 0
+    m.keep([1, 2, 4, 5])  # logical 0 and 3 lost
+    assert m.lead == 1
+    m.keep([1, 2, 3])  # then logical 1
+    assert m.lead == 2
+    assert Membership.of_survivors([7, 3, 5], 8, processes=3).lead == 3
+
+
+def test_survivors_without_rank_0_root_every_collective_at_their_lead():
+    """A resumed job of the survivors of a lost rank 0: this process is logical rank 3, which must write and
+    root the gathers and broadcasts (rank 0 is nowhere)."""
+    from communities.runtime.collective import collective_check
+
+    w = World(timeout=0)
+    w.set_membership([3], 8)
+    assert (w.rank, w.lead, w.leads) == (3, 3, True)
+    rows = w.gather_rows(np.ones((2, 2)))
+    assert rows is not None and [b.shape[0] for b in rows] == [0, 0, 0, 2, 0, 0, 0, 0]
+    assert w.bcast_text("from the lead") == "from the lead"
+    assert collective_check(w, lambda: "ran") == "ran"
+    w.agree(b"digest", "a digest")  # compared with the lead's own row, not with an absent rank 0's
+
+
+def test_a_new_writer_takes_the_run_directory_over_and_meta_names_it(tmp_path):
+    """The lowest survivor's side of the writer's loss: a lock still held (the 'lost' writer is alive) is
+    refused naming its holder; a released one is taken, temporaries are swept and meta.json names both writers."""
+    import json
+
+    from communities.engine.run_dir import RunDirectory
+    from communities.errors import RunLocked
+    from communities.runlock import RunLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps({"status": "running", "writers": [{"rank": 0, "why": "started"}]}))
+    (run / ".metrics.jsonl.abc.tmp").write_text("torn")
+    old = RunLock(run)
+    old.acquire(["old writer"])
+    w = World(timeout=0)
+    w.set_membership([1], 4)
+    rd = RunDirectory(config.from_dict({"name": "run"}), w, run)
+    with pytest.raises(RunLocked, match="in use by another run"):
+        rd.take_over(10, [0], ["new writer"])
+    assert rd.writer is None and (run / ".metrics.jsonl.abc.tmp").exists()
+    old.release()  # as the kernel does when the writer's process dies
+    rd.take_over(10, [0], ["new writer"])
+    assert rd.writer is not None and rd.lock is not None and rd.lock.held
+    assert not (run / ".metrics.jsonl.abc.tmp").exists()
+    writers = json.loads((run / "meta.json").read_text())["writers"]
+    assert [x["rank"] for x in writers] == [0, 1] and "t=10" in writers[1]["why"]
+    rd.take_over(10, [0], ["again"])  # idempotent: a second failure during the recovery repeats the call
+    assert len(json.loads((run / "meta.json").read_text())["writers"]) == 2
+    rd.release()
