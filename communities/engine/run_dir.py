@@ -272,6 +272,8 @@ class RunDirectory:
         ``lost``: the survivors of a lost rank go back to t (fault_tolerance shrink): checkpoints committed
         after t are dropped too (the run that wrote them had the lost rank), and a STOP file stays.
         """
+        if self.writer is not None:
+            self.writer.close()  # its appends reopen the files: a log rewritten below is a new file (a new inode)
         if lost:
             for d in self.checkpoints.glob("u*"):
                 if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) > t:

@@ -77,8 +77,9 @@ def _units(metrics: List[dict], path: Path) -> List[str]:
     for r, ts in sorted(by_rank.items()):
         if sorted(ts) != list(range(1, max(ts) + 1)):
             count = Counter(ts)
-            missing = [t for t in range(1, max(ts) + 1) if t not in count][:5]
-            twice = sorted(t for t, k in count.items() if k > 1)[:5]
+            missing = [t for t in range(1, max(ts) + 1) if t not in count]
+            twice = sorted(t for t, k in count.items() if k > 1)
             out.append(f"{path}: rank {r}'s units are not 1..{max(ts)} once each"
-                       + (f" (missing {missing})" if missing else "") + (f" (twice {twice})" if twice else ""))
+                       + (f" ({len(missing)} missing, from {missing[:5]})" if missing else "")
+                       + (f" ({len(twice)} twice, from {twice[:5]})" if twice else ""))
     return out

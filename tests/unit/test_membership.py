@@ -218,3 +218,19 @@ def test_a_new_writer_takes_the_run_directory_over_and_meta_names_it(tmp_path):
     rd.take_over(10, [0], ["again"])  # idempotent: a second failure during the recovery repeats the call
     assert len(json.loads((run / "meta.json").read_text())["writers"]) == 2
     rd.release()
+
+
+def test_rows_appended_after_a_rewind_reach_the_rewritten_log(tmp_path):
+    """The writer keeps each log open for its appends. A rewind that drops rows rewrites the file (a new inode):
+    the appends after it must reach the new file, not the unlinked one (the chaos soak found rows lost so)."""
+    from communities.engine.run_dir import RunDirectory
+    from communities.results import RunWriter, read_jsonl
+
+    run = tmp_path / "run"
+    rd = RunDirectory(config.from_dict({"name": "run"}), World(timeout=0), run)
+    rd.writer = RunWriter(run, overwrite=True)
+    rd.writer.append_jsonl("metrics.jsonl", [{"t": t, "rank": 0} for t in (1, 2, 3)])
+    rd.rewind(2, lost=True)  # the survivors go back to t=2: row 3 is dropped, the file rewritten
+    rd.writer.append_jsonl("metrics.jsonl", [{"t": 3, "rank": 0}, {"t": 4, "rank": 0}])
+    assert [r["t"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    rd.writer.close()
