@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -130,24 +130,13 @@ class AsyncSurvival(Survival):
             log.warning(f"communities: rank {world.rank}: its exchange with rank{'s' if len(undone) > 1 else ''} "
                         f"{', '.join(map(str, undone))} completed on this side only when a rank was lost; undone")
         self.mixer.after_loss()
-        lost = sorted(lost)
-        for rank in lost:
-            self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
-        recovered = time.time()
-        record: Dict[str, Any] = {"lost": lost, "t": t, "survivors": int(world.n_alive), "writer": int(world.lead),
-                                  "detected_wall": detected, "recovered_wall": recovered, "undone": undone}
-        self.recoveries.append(record)
-        if world.leads:
-            self._discard_uncommitted()
-            self._log_lost([e for e in self.lost if e["rank"] in lost])
-            log.warning(f"communities: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}; "
-                        f"{world.n_alive} survivors go on (async: each from its own unit; the lead's t={t}; "
-                        f"{recovered - detected:.2f}s to recover)"
-                        + (f"; rank {world.lead} writes the run directory now" if world.lead != writer else ""))
+        self._note(sorted(lost), t, detected, writer, f"(async: each from its own unit; the lead's t={t})",
+                   undone=undone)
         return t
 
-    def _discard_uncommitted(self) -> None:
-        """The lead: a checkpoint cut by the loss (rank files, no marker) is removed; the last complete one stays."""
+    def _tidy(self, t: int) -> None:
+        """The lead: a checkpoint cut by the loss (rank files, no marker) is removed; the last complete one stays.
+        Nothing else is rolled back."""
         import shutil
 
         for d in self.run_dir.checkpoints.glob("u*"):

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -119,21 +119,29 @@ class Survival(NoSurvival):
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
         self.copies = [(u, b) for u, b in self.copies if u <= t]
-        lost = sorted(lost)
+        self._note(sorted(lost), t, detected, writer, f"from t={t}")
+        return t
+
+    def _note(self, lost: List[int], t: int, detected: float, writer: int, went_on: str, **extra) -> None:
+        """A recovery's records (who was lost, who adopted what, its timing); the lead puts the run directory
+        back in order (``_tidy``), writes the lost rows and says what happened."""
+        world = self.world
         for rank in lost:
             self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
         recovered = time.time()
-        record: Dict[str, Any] = {"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
-                                  "writer": int(world.lead), "detected_wall": detected, "recovered_wall": recovered}
-        self.recoveries.append(record)
+        self.recoveries.append({"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
+                                "writer": int(world.lead), "detected_wall": detected, "recovered_wall": recovered,
+                                **extra})
         if world.leads:
-            self._rewind(t, lost=True)
+            self._tidy(t)
             self._log_lost([e for e in self.lost if e["rank"] in lost])
             log.warning(f"communities: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}; "
-                        f"{world.n_alive} survivors go on from t={t} "
-                        f"({recovered - detected:.2f}s to recover)"
+                        f"{world.n_alive} survivors go on {went_on} ({recovered - detected:.2f}s to recover)"
                         + (f"; rank {world.lead} writes the run directory now" if world.lead != writer else ""))
-        return t
+
+    def _tidy(self, t: int) -> None:
+        """The lead: the logs and checkpoints back to the unit the survivors go on from."""
+        self._rewind(t, lost=True)
 
     def _new_writer(self, t: int, lost: List[int], writer: int) -> None:
         """The writer was lost: the lowest survivor takes the run directory over (a collective of the survivors).

@@ -93,6 +93,7 @@ def test_one_rank_of_eight_killed_the_seven_reach_a_consensus(runs, case, lost):
     assert len(ts) == len(set(ts)), "a unit was logged twice after the rollback"
     info = json.loads((run / "rounds" / f"round_{s['rounds'] - 1:04d}" / "round.json").read_text())
     assert info["t"] > gone["t"]
+    _intact(run)  # (the lost rank's units end where the survivors went on from; every other rank's run on)
 
 
 @pytest.mark.timeout(1800)
