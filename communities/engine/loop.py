@@ -266,7 +266,7 @@ class Engine:
         self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
 
     def _log_lost(self, records: List[dict]) -> None:
-        """Rank 0: the ranks lost, as ``merges.jsonl`` rows (event ``lost``), written at once."""
+        """The lead: the ranks lost, as ``merges.jsonl`` rows (event ``lost``), written at once."""
         if self.run_dir.writer is not None:
             self.run_dir.writer.append_jsonl("merges.jsonl", survival.lost_rows(records))
 

@@ -77,3 +77,28 @@ def test_any_pattern_of_cuts_conserves_the_sum(n, exchanges, seed):
     for r, rec in enumerate(recs):
         rec.settle(rows, r, np.ones(n, dtype=bool))
     assert torch.allclose(sum(r.flat for r in recs), total, atol=1e-12)
+
+
+def test_rows_gathered_again_after_a_loss_are_written_once(tmp_path):
+    """Under async a final gather cut by a loss after it reached the lead is gathered again: the lead writes
+    each row once, and a new writer knows what its files already hold."""
+    from communities import config
+    from communities.engine.runlog import RunLog
+    from communities.engine.timer import Timer
+    from communities.results import RunWriter, read_jsonl
+    from communities.runtime.comm import World
+
+    cfg = config.from_dict({"name": "run"})
+    writer = RunWriter(tmp_path / "run", overwrite=True)
+    log = RunLog(cfg, World(timeout=0), Timer(), writer=writer, collective=False)
+    log.seen = {}
+    rows = [{"t": 1, "rank": 0, "loss": 0.5}, {"t": 1, "rank": 1, "loss": 0.25}]
+    log._append("metrics.jsonl", rows)
+    log._append("metrics.jsonl", rows + [{"t": 2, "rank": 0, "loss": 0.125}])
+    assert [(r["t"], r["rank"]) for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [(1, 0), (1, 1), (2, 0)]
+    heir = RunLog(cfg, World(timeout=0), Timer(), writer=writer, collective=False)
+    heir.seen = {}
+    heir.load_seen(tmp_path / "run")
+    heir._append("metrics.jsonl", rows)
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 3
+    writer.close()
