@@ -93,6 +93,15 @@ class Cluster:
         states = res.stdout.split()
         return bool(states) and all(s == "idle" for s in states)
 
+    @staticmethod
+    def steps_gone(job: str) -> bool:
+        """True when no ``slurmstepd`` of ``job`` is left on this machine. The node turns idle when the batch
+        step ends, but a task step's slurmstepd may still be tearing down: a requeued attempt launched then gets
+        the same step id (``job.0``), and srun's PMI2 exchange with it failed at the end of a run that had
+        finished (one CI run in five: 'mpi/pmi2: failed to send temp kvs', then the step cancelled, exit 137)."""
+        res = subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True)
+        return res.returncode != 0
+
     def logs(self, lines: int = 30) -> str:
         out = []
         for f in (self.dir / "log" / "slurmctld.log", self.dir / "log" / "slurmd.log"):

@@ -112,8 +112,8 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
     assert 0 < stopped_at < 200
     # Release the hold only once slurmd has finished tearing down the first attempt (node idle, not
     # completing): a batch launch onto a node still cleaning up the same job id fails the job.
-    c.wait(job, lambda js: js[0].get("JobState") in ("PENDING", "RUNNING", "COMPLETED") and c.node_idle(),
-           timeout=180, what="the requeued job to be pending on an idle node")
+    c.wait(job, lambda js: js[0].get("JobState") in ("PENDING", "RUNNING", "COMPLETED") and c.node_idle()
+           and c.steps_gone(job), timeout=180, what="the requeued job to be pending on an idle node")
     # slurmd refuses a batch credential created in the same second as (or before) the first attempt's revocation
     # ("Job credential revoked"; slurm_cred_revoked compares whole-second times), which is why SLURM holds a
     # requeued job for cred_expire. The revocation came before the node went idle: two seconds later is safe.
