@@ -99,6 +99,7 @@ class Engine:
             parts["mode"] = self.mode
         self.survival = survival.NoSurvival()
         self.argv = list(argv or sys.argv)
+        self._heir = False  # this rank took the run directory over from a lost writer
         self.logged_t: int = 0  # the last unit whose row this rank logged (async: where a survivor goes on from)
         if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
             rolled = {k: v for k, v in parts.items() if k not in ("timer", "traffic")}
@@ -256,14 +257,19 @@ class Engine:
         self.run_dir.take_over(t, lost, self.argv)
         self.log.writer = self.run_dir.writer
         self.log.load_seen(self.run_dir.path)  # (async: what the lost writer wrote is not written again)
+        self._heir = True  # its own merge count started at zero: it counts the file's instead
+        if self.cfg.protocol == "async":  # (nothing is rewound after it: count now)
+            self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
         if self.cfg.logging.tensorboard and self.log.board is None:
             self.log.board = tensorboard_log.TensorBoardLog(self.cfg, self.run_dir.path, t)
 
     def _rewind(self, t: int, lost: bool = False) -> None:
-        """The lead, after a loss: the logs back to t; the merges written so far counted from the file (a new
-        writer's own count started at zero)."""
+        """The lead, after a loss: the logs back to t. An heir of a lost writer counts the merges written so far
+        from the file (the copy it may restore was taken while its count was not kept); the first writer's restored
+        count is right already."""
         self.run_dir.rewind(t, lost=lost)
-        self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
+        if self._heir:
+            self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
 
     def _log_lost(self, records: List[dict]) -> None:
         """The lead: the ranks lost, as ``merges.jsonl`` rows (event ``lost``), written at once."""

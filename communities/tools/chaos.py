@@ -36,16 +36,9 @@ PROTOCOLS = {"sync": ["checkpoint.every=100"], "async": ["protocol=async", "comm
 
 def rank_processes(launcher_pid: int) -> Dict[int, int]:
     """{MPI rank: pid} of the launcher's descendants that are ranks (read from /proc)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+    from .bench import _children_of
+
+    children = _children_of()
     out: Dict[int, int] = {}
     stack = list(children.get(launcher_pid, []))
     while stack:

@@ -203,6 +203,8 @@ def test_async_the_writer_killed_inside_an_exchange(runs):
     s = _summary(run)
     assert [e["rank"] for e in s["membership"]["lost"]] == [0] and s["membership"]["survivors"] == list(range(1, 8))
     assert [w["rank"] for w in json.loads((run / "meta.json").read_text())["writers"]] == [0, 1]
+    merges = _merges(run)  # the heir counts what its predecessor wrote too
+    assert s["merges"] == sum(1 for m in merges if m["event"] == "merge" and m["i"] == m["initiator"])
     assert s["consensus_reached_t"] is not None
     # async runs are not deterministic, and rank 0's shard is dropped (half of group 0's data): within 3 points
     clean = _summary(root / "async_clean")["consensus_test_acc"]
