@@ -43,7 +43,7 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2",
                  "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6"],
         # pinned: a newer linter may flag new things, and CI runs make lint
-        "dev": ["ruff==0.17.6", "mypy==2.4.1"],
+        "dev": ["ruff==0.17.6", "mypy==2.4.1", "py-spy>=0.3"],
     },
     entry_points={"console_scripts": ["communities=communities.cli:main"]},
 )

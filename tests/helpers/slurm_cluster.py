@@ -67,8 +67,10 @@ class Cluster:
         found = self.jobs(job)
         return found[0] if found else {}
 
-    def wait(self, job: str, until, timeout: float, what: str, poll: float = 0.5) -> List[Dict[str, str]]:
-        """Poll until ``until(list of job dicts)`` is true; fail with the jobs' state on timeout."""
+    def wait(self, job: str, until, timeout: float, what: str, poll: float = 0.5,
+             output: Optional[Path] = None) -> List[Dict[str, str]]:
+        """Poll until ``until(list of job dicts)`` is true; fail on timeout with the jobs' state, the daemons'
+        logs, the job's ``output`` file, its processes and where its Python processes are stuck."""
         deadline = time.monotonic() + timeout
         while True:
             jobs = self.jobs(job)
@@ -78,14 +80,15 @@ class Cluster:
                 state = [(j.get("JobId"), j.get("ArrayTaskId"), j.get("JobState"), j.get("Reason"), j.get("Restarts"),
                           j.get("ExitCode")) for j in jobs]
                 raise AssertionError(f"job {job}: timed out after {timeout:.0f}s waiting for {what}; now {state}\n"
-                                     + self.logs())
+                                     + self.logs() + self.stuck(job, output))
             time.sleep(poll)
 
-    def wait_done(self, job: str, timeout: float) -> List[Dict[str, str]]:
+    def wait_done(self, job: str, timeout: float, output: Optional[Path] = None) -> List[Dict[str, str]]:
         """Wait until every task of ``job`` has ended; return their final records."""
         ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
                  "PREEMPTED")
-        return self.wait(job, lambda js: all(j.get("JobState") in ended for j in js), timeout, "the job to end")
+        return self.wait(job, lambda js: all(j.get("JobState") in ended for j in js), timeout, "the job to end",
+                         output=output)
 
     def node_idle(self) -> bool:
         """True when every node is idle: no job running or still completing on it."""
@@ -101,6 +104,36 @@ class Cluster:
         finished (one CI run in five: 'mpi/pmi2: failed to send temp kvs', then the step cancelled, exit 137)."""
         res = subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True)
         return res.returncode != 0
+
+    @staticmethod
+    def stuck(job: str, output: Optional[Path] = None) -> str:
+        """What a job that does not progress is doing: its output's tail, its processes (those whose
+        environment holds ``SLURM_JOB_ID=job``, and their slurmstepd), and a py-spy dump of each Python one
+        (py-spy from the dev extra; skipped where it is missing)."""
+        out = []
+        if output is not None and output.exists():
+            out.append(f"--- {output} (tail)\n" + output.read_text(errors="replace")[-3000:])
+        pids, mark = [], f"SLURM_JOB_ID={job}".encode()
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                    pids.append(proc.name)
+            except OSError:
+                continue
+        ps = subprocess.run(["ps", "-o", "pid,ppid,stat,pcpu,etime,wchan:24,args", "-p", ",".join(pids) or "1"],
+                            capture_output=True, text=True)
+        steps = subprocess.run(["pgrep", "-af", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True)
+        out.append(f"--- processes of job {job}\n{ps.stdout}{steps.stdout}")
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        for pid in pids if Path(spy).exists() else []:
+            try:
+                if b"python" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
+                    continue
+                res = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
+                out.append(f"--- py-spy dump --pid {pid}\n{res.stdout[-4000:]}{res.stderr[-500:]}")
+            except (subprocess.TimeoutExpired, OSError) as exc:
+                out.append(f"--- py-spy dump --pid {pid}: {exc}")
+        return "\n" + "\n".join(out)
 
     def logs(self, lines: int = 30) -> str:
         out = []

@@ -94,7 +94,7 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
 
     # wait for a committed checkpoint while the job is still running, then signal the batch shell
     c.wait(job, lambda js: js[0].get("JobState") != "PENDING" and (run / "checkpoints" / "latest").exists(),
-           timeout=300, what="a first checkpoint", poll=0.2)
+           timeout=300, what="a first checkpoint", poll=0.2, output=log)
     info = c.job(job)
     assert info["JobState"] == "RUNNING" and not (run / "summary.json").exists(), \
         f"the run ended before it could be interrupted ({info.get('JobState')}): lengthen it\n{log.read_text()[-2000:]}"
@@ -102,7 +102,8 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
     t_sig = time.monotonic()
 
     # SLURM requeues the job: Restarts=1. A requeued job is held ~2 min (BeginTime); release it now.
-    c.wait(job, lambda js: int(js[0].get("Restarts", 0)) >= 1, timeout=180, what="the requeue (Restarts >= 1)")
+    c.wait(job, lambda js: int(js[0].get("Restarts", 0)) >= 1, timeout=180, what="the requeue (Restarts >= 1)",
+           output=log)
     t_requeue = time.monotonic() - t_sig
     first = log.read_text()
     assert "got SIGUSR1" in first and re.search(r"stopped at t=\d+, checkpoint written", first) \
@@ -120,7 +121,7 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
     time.sleep(2.5)
     if c.job(job).get("JobState") == "PENDING":
         c.cmd("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
-    [info] = c.wait_done(job, timeout=300)
+    [info] = c.wait_done(job, timeout=300, output=log)
     text = log.read_text()
     if info.get("JobState") != "COMPLETED":
         text += f"\n--- scontrol show job {job}\n{info}\n{c.logs()}"
