@@ -120,7 +120,7 @@ class Cluster:
                     pids.append(proc.name)
             except OSError:
                 continue
-        ps = subprocess.run(["ps", "-o", "pid,ppid,stat,pcpu,etime,wchan:24,args", "-p", ",".join(pids) or "1"],
+        ps = subprocess.run(["ps", "-ww", "-o", "pid,ppid,stat,pcpu,etime,wchan:24,args", "-p", ",".join(pids) or "1"],
                             capture_output=True, text=True)
         steps = subprocess.run(["pgrep", "-af", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True)
         out.append(f"--- processes of job {job}\n{ps.stdout}{steps.stdout}")
@@ -130,7 +130,7 @@ class Cluster:
                 if b"python" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
                     continue
                 res = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
-                out.append(f"--- py-spy dump --pid {pid}\n{res.stdout[-4000:]}{res.stderr[-500:]}")
+                out.append(f"--- py-spy dump --pid {pid} (innermost first)\n{res.stdout[:3000]}{res.stderr[-500:]}")
             except (subprocess.TimeoutExpired, OSError) as exc:
                 out.append(f"--- py-spy dump --pid {pid}: {exc}")
         return "\n" + "\n".join(out)
