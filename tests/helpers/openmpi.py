@@ -81,7 +81,8 @@ def run_ompi(n: int, args: Sequence[str], timeout: float = 240, ulfm: bool = Fal
     rank) on timeout so nothing hangs."""
     mark = uuid.uuid4().hex
     return run_command(ompi_command(n, args, ulfm, own_sessions), timeout, f"Open MPI mpiexec -n {n} {args}",
-                       cwd=cwd, check=check, env={MARK: mark}, on_timeout=lambda: _kill_marked(mark))
+                       cwd=cwd, check=check, env={MARK: mark}, on_timeout=lambda: _kill_marked(mark),
+                       launcher_may_hang=ulfm and not own_sessions)
 
 
 def run_engine_ompi(n: int, config, tmp_path: Path, *overrides, timeout: float = 300, ulfm: bool = False,

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from tests.helpers import stacks
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 UP, DOWN = ROOT / "launch" / "ci" / "slurm-up.sh", ROOT / "launch" / "ci" / "slurm-down.sh"
 CANNOT = 3  # slurm-up.sh: cannot run here
@@ -113,26 +115,9 @@ class Cluster:
         out = []
         if output is not None and output.exists():
             out.append(f"--- {output} (tail)\n" + output.read_text(errors="replace")[-3000:])
-        pids, mark = [], f"SLURM_JOB_ID={job}".encode()
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
-                    pids.append(proc.name)
-            except OSError:
-                continue
-        ps = subprocess.run(["ps", "-ww", "-o", "pid,ppid,stat,pcpu,etime,wchan:24,args", "-p", ",".join(pids) or "1"],
-                            capture_output=True, text=True)
         steps = subprocess.run(["pgrep", "-af", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True)
-        out.append(f"--- processes of job {job}\n{ps.stdout}{steps.stdout}")
-        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        for pid in pids if Path(spy).exists() else []:
-            try:
-                if b"python" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
-                    continue
-                res = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
-                out.append(f"--- py-spy dump --pid {pid} (innermost first)\n{res.stdout[:3000]}{res.stderr[-500:]}")
-            except (subprocess.TimeoutExpired, OSError) as exc:
-                out.append(f"--- py-spy dump --pid {pid}: {exc}")
+        out.append(f"--- slurmstepd of job {job}\n{steps.stdout}")
+        out.append(stacks.describe(stacks.with_env(f"SLURM_JOB_ID={job}")))
         return "\n" + "\n".join(out)
 
     def logs(self, lines: int = 30) -> str:
