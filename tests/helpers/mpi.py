@@ -43,10 +43,10 @@ def communicate(proc: subprocess.Popen, timeout: float, launcher_may_hang: bool 
 
     Open MPI 5.0.11's prterun, started with ``--with-ft ulfm``, at times never returns once every rank has
     exited: its main thread blocks on a mutex, and a rank that was SIGKILLed stays an unreaped zombie. It was
-    seen after ranks that all exit non-zero (a STOP: 75, one run in three of that test here; a refused resume:
-    2, once in CI). When its session has held nothing but the launcher for ORPHANED_LAUNCHER_S, the
-    launcher is killed and the job's code is LAUNCHER_HUNG: what the ranks did is on disk, and the callers
-    check that instead.
+    seen after ranks that all exit non-zero (a STOP: 75, once in nine runs of that test here; a refused
+    resume: 2, once in CI, no stack taken). When its session has held nothing but the launcher for
+    ORPHANED_LAUNCHER_S, the launcher is killed and the job's code is LAUNCHER_HUNG: what the ranks did is on
+    disk, and the callers check that instead.
     """
     deadline, alone_since = time.monotonic() + timeout, None
     while True:
@@ -73,7 +73,7 @@ def communicate(proc: subprocess.Popen, timeout: float, launcher_may_hang: bool 
 def run_command(cmd, timeout: float, what: str, cwd=None, check: bool = True, env=None, on_timeout=None,
                 launcher_may_hang: bool = False) -> subprocess.CompletedProcess:
     """Run an ``mpiexec`` command line in its own session; kill the whole session on timeout (no hang),
-    then call ``on_timeout`` (for ranks that left the group). ``launcher_may_hang``: see ``communicate``
+    then call ``on_timeout`` (for ranks that left the session). ``launcher_may_hang``: see ``communicate``
     (``check`` then accepts LAUNCHER_HUNG as well as 0)."""
     proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
