@@ -16,7 +16,6 @@ signal or kill ranks.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Sequence
 
 import pytest
 
+from . import stacks
 from .mpi import ROOT, run_command
 from .slurm_cluster import in_ci
 
@@ -63,16 +63,7 @@ MARK = "COMMUNITIES_TEST_JOB"  # in the environment of every rank of one job (ow
 
 def _kill_marked(mark: str) -> None:
     """SIGKILL every process whose environment holds ``MARK=mark`` (ranks in sessions of their own)."""
-    needle = f"{MARK}={mark}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                if needle in fh.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            continue
+    stacks.kill(stacks.with_env(f"{MARK}={mark}"))
 
 
 def run_ompi(n: int, args: Sequence[str], timeout: float = 240, ulfm: bool = False, check: bool = True,

@@ -104,8 +104,12 @@ class Cluster:
         step ends, but a task step's slurmstepd may still be tearing down: a requeued attempt launched then gets
         the same step id (``job.0``), and srun's PMI2 exchange with it failed at the end of a run that had
         finished (one CI run in five: 'mpi/pmi2: failed to send temp kvs', then the step cancelled, exit 137)."""
-        res = subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True)
-        return res.returncode != 0
+        return not Cluster.steps_of(job)
+
+    @staticmethod
+    def steps_of(job: str) -> str:
+        """``pid command`` of each ``slurmstepd`` of ``job`` on this machine, a line each ("" when none)."""
+        return subprocess.run(["pgrep", "-af", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True).stdout
 
     @staticmethod
     def stuck(job: str, output: Optional[Path] = None) -> str:
@@ -115,8 +119,7 @@ class Cluster:
         out = []
         if output is not None and output.exists():
             out.append(f"--- {output} (tail)\n" + output.read_text(errors="replace")[-3000:])
-        steps = subprocess.run(["pgrep", "-af", f"slurmstepd: \\[{job}\\."], capture_output=True, text=True)
-        out.append(f"--- slurmstepd of job {job}\n{steps.stdout}")
+        out.append(f"--- slurmstepd of job {job}\n{Cluster.steps_of(job)}")
         out.append(stacks.describe(stacks.with_env(f"SLURM_JOB_ID={job}")))
         return "\n" + "\n".join(out)
 

@@ -35,16 +35,24 @@ def _stat(pid: str) -> List[str]:
 def in_session(sid: int) -> List[str]:
     """The live processes of session ``sid``: a launcher started with ``start_new_session`` and its ranks
     (Open MPI's prterun gives each rank a process group of its own, in the launcher's session)."""
-    return _pids(lambda pid: _stat(pid)[0] != "Z" and int(_stat(pid)[3]) == sid)
+    def live_member(pid: str) -> bool:
+        state, _, _, session = _stat(pid)[:4]
+        return state != "Z" and int(session) == sid
+    return _pids(live_member)
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL every live process of session ``sid`` (the ranks' process groups as well as the launcher's)."""
-    for pid in in_session(sid):
+def kill(pids: List[str]) -> None:
+    """SIGKILL each of ``pids`` that is still there."""
+    for pid in pids:
         try:
             os.kill(int(pid), signal.SIGKILL)
         except OSError:
             continue
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every live process of session ``sid`` (the ranks' process groups as well as the launcher's)."""
+    kill(in_session(sid))
 
 
 def only_leader_left(sid: int) -> bool:
