@@ -30,7 +30,7 @@ log = logging.getLogger("communities")
 DELEGATED = {
     "inspect": (".report.inspection", "main_inspect"),
     "compare": (".tools.compare", "main_compare"),
-    "bench": (".tools.bench", "main_bench"),
+    "bench": (".tools.bench.main", "main_bench"),
     "slurm": (".tools.slurm", "main_slurm"),
     "export": (".tools.export", "main_export"),
     "dp-reference": (".tools.dp_reference", "main_dp_reference"),
@@ -155,8 +155,9 @@ def cmd_run(args) -> int:
     from mpi4py import MPI  # noqa: F401
 
     from .config import from_json, load
-    from .engine import loop, survival
-    from .engine.run_dir import Resume
+    from .engine import loop
+    from .engine.state import survival
+    from .engine.state.run_dir import Resume
     from .errors import ConfigError, Preempted, RunComplete, collective
     from .runtime import population
     from .runtime.comm import World
@@ -181,7 +182,7 @@ def cmd_run(args) -> int:
     hook_search_path(args.config)  # on every rank: each imports the hooks itself
     resume = Resume.of(args.resume, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
     code = 0
-    # the survivors of a lost rank resume one replica per process, as many as survived (engine/survival.py)
+    # the survivors of a lost rank resume one replica per process, as many as survived (engine/state/survival.py)
     survived = resume is not Resume.FRESH and survival.survivors(world, Path(cfg.output.root) / cfg.name) is not None
     problem = None if survived else population.refusal(cfg, world.size)  # the same answer on every rank
     if problem:

@@ -2,7 +2,7 @@
 
 Pure state machine, no MPI, like ``rendezvous.py``; the engine feeds it the
 control messages a rank receives and acts on what it returns
-(``engine/posted_mixer.py``). Under the blocking rule both sides of an exchange
+(``engine/mixing/async_posted.py``). Under the blocking rule both sides of an exchange
 meet in one ``Sendrecv``, so whoever asks waits for the partner's next batch
 boundary. Here each side *posts* its half and trains on:
 

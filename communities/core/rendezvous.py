@@ -1,7 +1,7 @@
 """How two ranks agree to merge without a clock: the pairing rule of the asynchronous protocol.
 
 Pure state machine, no MPI: the engine feeds it the control messages a rank
-receives and sends the messages it returns (``engine/async_mixer.py``). The
+receives and sends the messages it returns (``engine/mixing/async_mixer.py``). The
 rule, for one rank:
 
 1. A rank has at most one request of its own outstanding (``REQ`` to its

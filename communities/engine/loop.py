@@ -34,18 +34,20 @@ from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import RankLost, World
 from ..workload import private
-from . import protocols, survival, tensorboard_log
-from .async_survival import AsyncSurvival
-from .checkpoint import Checkpointer, Stateful
-from .community_mode import CommunityMode
-from .consensus import Decision
-from .delivery import Delivery
+from . import protocols
 from .faults import make_faults
+from .outcome.community_mode import CommunityMode
+from .outcome.consensus import Decision
+from .outcome.delivery import Delivery
 from .progress import Progress
-from .replica import Replica
-from .run_dir import Resume, RunDirectory, describe_partition, now
-from .runlog import RunLog, count_merges, language_model, print_summary
-from .snapshots import RoundSnapshots
+from .record import tensorboard_log
+from .record.round_snapshots import RoundSnapshots
+from .record.runlog import RunLog, count_merges, language_model, print_summary
+from .replica.replica import Replica
+from .state import survival
+from .state.async_survival import AsyncSurvival
+from .state.checkpoint import Checkpointer, Stateful
+from .state.run_dir import Resume, RunDirectory, describe_partition, now
 from .timer import Timer
 
 log = logging.getLogger(__name__)

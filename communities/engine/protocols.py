@@ -13,13 +13,13 @@ from typing import NamedTuple
 from ..config import Config
 from ..core.protocol import RunningDigest
 from ..runtime.comm import World
-from .async_mixer import AsyncMixer
-from .consensus import AsyncConsensus, Consensus
-from .gossip_rounds import GossipRounds
-from .mixer import Mixer
-from .posted_mixer import PostedMixer
-from .replica import Replica
-from .rounds import SignatureRounds
+from .mixing.async_mixer import AsyncMixer
+from .mixing.async_posted import PostedMixer
+from .mixing.mixer import Mixer
+from .outcome.consensus import AsyncConsensus, Consensus
+from .replica.replica import Replica
+from .rounds.async_rounds import GossipRounds
+from .rounds.signature_rounds import SignatureRounds
 from .timer import Timer
 
 

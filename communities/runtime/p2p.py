@@ -22,7 +22,7 @@ class Tag(IntEnum):
     """Point-to-point message tags: one per kind of message, so no two can be confused."""
 
     HEADER = 1  # the exchange header (merge metadata) partners swap before the weights
-    WEIGHTS = 2  # the payload after the header: weights, optimizer moments, seen-at table (engine/exchange.py)
+    WEIGHTS = 2  # the payload after the header: weights, optimizer moments, seen-at table (engine/mixing/exchange.py)
     EXAMPLE_COUNT = 5  # hard-example passing: how many examples each side sends
     EXAMPLE_FLOATS = 6  # ... their features and confidences
     EXAMPLE_INTS = 7  # ... their labels, ids, states and visited sets

@@ -47,7 +47,7 @@ def load_snapshots(run_dir: Path, round_index: int, n: int):
     """The N ranks' weights of one round as an (N, P) tensor; ResultsError naming a missing or damaged file."""
     import torch
 
-    from ..engine.snapshots import SNAPSHOTS_DIR, snapshot_path
+    from ..engine.record.round_snapshots import SNAPSHOTS_DIR, snapshot_path
     from ..results import ResultsError
 
     rows = []

@@ -12,7 +12,7 @@ import torch
 
 from communities.config import ExamplesConfig
 from communities.core import example_table
-from communities.engine import example_tracker
+from communities.engine.replica import examples as example_tracker
 from communities.runtime.comm import World
 
 handover = sys.argv[1] == "handover"

@@ -8,7 +8,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from communities.tools import bench, compare
+from communities.tools import compare
+from communities.tools.bench.main import main_bench
 from tests.helpers.compare_spec import write_spec
 from tests.helpers.mpi import mpiexec, run_mpi
 
@@ -37,7 +38,7 @@ def test_bench_exchange_runs_under_two_ranks_and_prints_a_ratio(tmp_path):
 MERGE_SCRIPT = textwrap.dedent("""
     import numpy as np, torch
     from communities.core import merge
-    from communities.engine import exchange
+    from communities.engine.mixing import exchange
     from communities.runtime.comm import World
     world = World()
     peer = 1 - world.rank
@@ -78,7 +79,7 @@ def test_swap_and_merge_leaves_both_ranks_at_the_mean(tmp_path):
 
 
 def test_bench_overhead_on_a_tiny_run(tiny_config, tmp_path, capsys):
-    rc = bench.main_bench(["overhead", str(tiny_config), "--np", "2", "--mpiexec", mpiexec(), "--profile",
+    rc = main_bench(["overhead", str(tiny_config), "--np", "2", "--mpiexec", mpiexec(), "--profile",
                            "--output-root", str(tmp_path / "ovh"), "--json", str(tmp_path / "ovh.json")])
     assert rc == 0
     text = capsys.readouterr().out

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from communities.tools import bench
+from communities.tools.bench.main import main_bench
 from tests.helpers.mpi import ROOT, mpiexec
 
 pytestmark = pytest.mark.timeout(300)
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_bench_scale_on_two_tiny_populations(tmp_path, capsys):
     out = tmp_path / "scale.json"
-    rc = bench.main_bench(["scale", "--sizes", "4", "8", "--budget", "2", "--config",
+    rc = main_bench(["scale", "--sizes", "4", "8", "--budget", "2", "--config",
                            str(ROOT / "configs" / "population.yaml"), "--set", "signature.every=1",
                            "--set", f"data.root={tmp_path / 'data'}", "--mpiexec", mpiexec(), "--timeout", "240",
                            "--output-root", str(tmp_path / "runs"), "--out", str(out)])

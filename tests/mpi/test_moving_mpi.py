@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from communities.engine import checkpoint
+from communities.engine.state import checkpoint
 from tests.helpers.mpi import finish, initial_mean_and_final, run_engine, run_mpi, start, tiny_batch, wait_for
 
 pytestmark = pytest.mark.timeout(900)

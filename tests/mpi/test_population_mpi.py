@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from communities.engine import checkpoint
+from communities.engine.state import checkpoint
 from tests.helpers.mpi import Job, TinyRuns, run_batch, run_engine, tiny_batch
 
 pytestmark = pytest.mark.timeout(900)

@@ -48,8 +48,8 @@ def package_imports(path: Path):
 
 def layer_files():
     for layer in ALLOWED:
-        for path in sorted((PACKAGE / layer).glob("*.py")):
-            yield pytest.param(layer, path, id=f"{layer}/{path.name}")
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            yield pytest.param(layer, path, id=str(path.relative_to(PACKAGE)))
 
 
 @pytest.mark.parametrize("layer,path", list(layer_files()))
@@ -60,11 +60,11 @@ def test_imports_point_down(layer, path):
             continue
         if not any(target == a or target.startswith(a + ".") for a in ALLOWED[layer]):
             bad.append(target)
-    assert not bad, f"communities/{layer}/{path.name} imports {sorted(set(bad))}, outside what {layer}/ may import"
+    assert not bad, f"communities/{path.relative_to(PACKAGE)} imports {sorted(set(bad))}, outside what {layer}/ may use"
 
 
 def test_the_report_never_imports_torch_or_mpi():
-    for path in (PACKAGE / "report").glob("*.py"):
+    for path in (PACKAGE / "report").rglob("*.py"):
         tree = ast.parse(path.read_text())
         mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
@@ -79,10 +79,10 @@ MAX_CLASS_LINES = 300
 
 def _classes(*layers: str):
     for layer in layers:
-        for path in sorted((PACKAGE / layer).glob("*.py")):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ClassDef):
-                    yield f"{layer}/{path.name}", node
+                    yield str(path.relative_to(PACKAGE)), node
 
 
 def _self_targets(node: ast.AST, self_name: str):

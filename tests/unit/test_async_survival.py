@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from communities.engine.async_survival import NO_EXCHANGE, ExchangeRecord
+from communities.engine.state.async_survival import NO_EXCHANGE, ExchangeRecord
 from communities.runtime.comm import RankLost
 
 
@@ -83,7 +83,7 @@ def test_rows_gathered_again_after_a_loss_are_written_once(tmp_path):
     """Under async a final gather cut by a loss after it reached the lead is gathered again: the lead writes
     each row once, and a new writer knows what its files already hold."""
     from communities import config
-    from communities.engine.runlog import RunLog
+    from communities.engine.record.runlog import RunLog
     from communities.engine.timer import Timer
     from communities.results import RunWriter, read_jsonl
     from communities.runtime.comm import World

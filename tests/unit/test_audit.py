@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from communities.report.audit import audit
-from communities.tools.chaos import rank_processes
+from communities.tools.bench.chaos import rank_processes
 from communities.tools.synthetic import make_run
 
 

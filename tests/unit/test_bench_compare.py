@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from communities.core import clustering, merge
-from communities.engine import exchange
-from communities.tools import bench, compare
+from communities.engine.mixing import exchange
+from communities.tools import compare
+from communities.tools.bench import clustering as bench_clustering
+from communities.tools.bench.main import main_bench
 from tests.helpers.compare_spec import write_spec
 
 pytestmark = pytest.mark.timeout(600)
@@ -45,7 +47,7 @@ def test_bench_signature_runs_small_prints_and_skips_slow_gaussian_sizes(capsys,
     out = tmp_path / "sig.json"
     # A budget of 1e-9 s skips every Gaussian size after the first (which sets the rate) whatever this
     # machine's speed: the skip is deterministic, not a race between the 3M prediction and a budget.
-    rc = bench.main_bench(["signature", "--params", "100K", "3M", "--reps", "2", "--n-pairs", "1",
+    rc = main_bench(["signature", "--params", "100K", "3M", "--reps", "2", "--n-pairs", "1",
                            "--gaussian-reps", "1", "--gaussian-budget", "1e-9", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -62,7 +64,7 @@ def test_bench_signature_runs_small_prints_and_skips_slow_gaussian_sizes(capsys,
 
 def test_bench_clustering_runs_small_and_prints(capsys, tmp_path):
     out = tmp_path / "clu.json"
-    assert bench.main_bench(["clustering", "--n", "16", "64", "--reps", "1", "--json", str(out)]) == 0
+    assert main_bench(["clustering", "--n", "16", "64", "--reps", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "find_communities ms" in text and "same labels" in text and "DIFFERENT" not in text
     data = json.loads(out.read_text())
@@ -91,7 +93,7 @@ def test_fast_silhouettes_equal_sklearn_and_pick_the_same_cut():
         assert np.allclose(ours, ref, rtol=0, atol=1e-12)
         for sep in (0.0, 0.1):
             assert np.array_equal(clustering.cut_auto(Z, dist, min_separation=sep),
-                                  bench._cut_auto_sklearn(Z, dist, min_separation=sep))
+                                  bench_clustering.cut_auto_sklearn(Z, dist, min_separation=sep))
 
 
 # --------------------------------------------------------------------------- compare
@@ -140,7 +142,7 @@ def test_bench_inspect_runs_tiny_and_prints_parseable_figures(capsys, tmp_path):
     import re
 
     out = tmp_path / "insp.json"
-    assert bench.main_bench(["inspect", "--ranks", "8", "--rounds", "4", "--no-svg", "--json", str(out)]) == 0
+    assert main_bench(["inspect", "--ranks", "8", "--rounds", "4", "--no-svg", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "main_inspect" in text and "8 ranks x 4 rounds" in text
     rows = [ln.split() for ln in text.splitlines() if re.match(r"^\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+$", ln)]

@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from communities.tools import bench
+from communities.tools.bench import scale as bench
+from communities.tools.bench.main import build_parser
 
 
 def _summary(n, units=10, wall=20.0, shares=(0.9, 0.8), network=4000.0, acc=0.95, t=40):
@@ -61,8 +62,8 @@ def test_table_and_targets():
 
 
 def test_parser_passes_overrides():
-    args = bench.build_parser().parse_args(["scale", "--sizes", "4", "8", "--budget", "2", "--set", "a=1",
+    args = build_parser().parse_args(["scale", "--sizes", "4", "8", "--budget", "2", "--set", "a=1",
                                             "--set", "b=2"])
     assert (args.sizes, args.budget, args.set, args.processes) == ([4, 8], 2, ["a=1", "b=2"], 2)
     assert args.steps_per_unit == 10  # equal work a unit unless asked (0: the config's unit)
-    assert bench.build_parser().parse_args(["scale", "--steps-per-unit", "0"]).steps_per_unit == 0
+    assert build_parser().parse_args(["scale", "--steps-per-unit", "0"]).steps_per_unit == 0

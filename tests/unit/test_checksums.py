@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from communities import manifest
-from communities.engine import checkpoint
 from communities.engine.loop import Engine
-from communities.engine.run_dir import Resume
+from communities.engine.state import checkpoint
+from communities.engine.state.run_dir import Resume
 from communities.errors import ResultsError
 from tests.helpers.damage import as_if_interrupted, flip_payload_bit, truncate
 from tests.unit.test_disk_errors import world_

@@ -14,7 +14,7 @@ import torch
 
 from communities import manifest
 from communities.engine.loop import Engine
-from communities.engine.run_dir import Resume
+from communities.engine.state.run_dir import Resume
 from communities.errors import DiskError
 from communities.results import LOCK_FILE, RunWriter, disk_error, read_jsonl
 from communities.runlock import probe

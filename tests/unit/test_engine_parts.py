@@ -11,15 +11,15 @@ import torch
 from communities import config
 from communities.core.clustering import Communities
 from communities.core.protocol import RunningDigest
-from communities.engine import strategies
-from communities.engine.checkpoint import Checkpointer
-from communities.engine.consensus import Consensus
-from communities.engine.exchange import Header, decide
 from communities.engine.faults import InjectedFaults, NoFaults, make_faults
 from communities.engine.loop import Engine
-from communities.engine.mixer import Mixer
-from communities.engine.replica import Replica
-from communities.engine.rounds import RoundResult, SignatureRounds
+from communities.engine.mixing import strategies
+from communities.engine.mixing.exchange import Header, decide
+from communities.engine.mixing.mixer import Mixer
+from communities.engine.outcome.consensus import Consensus
+from communities.engine.replica.replica import Replica
+from communities.engine.rounds.signature_rounds import RoundResult, SignatureRounds
+from communities.engine.state.checkpoint import Checkpointer
 from communities.engine.timer import Timer
 from communities.results import Event, MergeRow, MetricRow, Summary, open_run
 

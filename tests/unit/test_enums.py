@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from communities.engine.run_dir import Resume
+from communities.engine.state.run_dir import Resume
 from communities.engine.timer import Timer
 from communities.errors import StopReason
 from communities.results import TIME_CATEGORIES, TimeCategory

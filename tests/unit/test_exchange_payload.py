@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from communities.core import merge
-from communities.engine.exchange import Header, PairExchange, Payload, swap_and_merge_chunked
+from communities.engine.mixing.exchange import Header, PairExchange, Payload, swap_and_merge_chunked
 
 
 class Wire:

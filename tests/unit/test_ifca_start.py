@@ -10,7 +10,7 @@ import torch
 
 from communities import config
 from communities.core import cluster_start
-from communities.engine import strategies
+from communities.engine.mixing import strategies
 from communities.errors import ConfigError
 
 from .test_engine_parts import make_cfg

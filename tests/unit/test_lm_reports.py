@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-from communities.engine.runlog import lm_lines, print_summary  # noqa: E402
+from communities.engine.record.runlog import lm_lines, print_summary
 from communities.results import (  # noqa: E402
     LANGUAGE_MODEL,
     LanguageModel,
@@ -110,7 +110,7 @@ def test_tensorboard_logs_bits_per_byte(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from communities import config
-    from communities.engine.tensorboard_log import TensorBoardLog
+    from communities.engine.record.tensorboard_log import TensorBoardLog
 
     cfg = config.from_dict({"name": "x", "logging": {"tensorboard": True, "dendrograms": False}})
     board = TensorBoardLog(cfg, tmp_path)

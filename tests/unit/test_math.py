@@ -352,7 +352,7 @@ def test_find_communities_gives_the_labels_of_the_pdist_version(method, metric):
     """On planted data the fast distances build the tree, cut and labels that pdist + sklearn silhouettes gave."""
     from scipy.cluster import hierarchy
 
-    from communities.tools import bench
+    from communities.tools.bench import clustering as bench
 
     for seed, (groups, per, d) in enumerate([(4, 4, 64), (8, 24, 256), (5, 60, 32)]):
         S, truth = planted(groups, per, d=d, spread=0.4, seed=seed)
@@ -367,7 +367,7 @@ def test_find_communities_gives_the_labels_of_the_pdist_version(method, metric):
                 scale = 1.0
                 if metric == "euclidean":
                     scale = float(np.sqrt(np.mean(np.sum(S.astype(np.float64) ** 2, axis=1))))
-                ref = bench._cut_auto_sklearn(ref_Z, ref_d, min(16, S.shape[0] - 1), 0.25, 0.05 * scale)
+                ref = bench.cut_auto_sklearn(ref_Z, ref_d, min(16, S.shape[0] - 1), 0.25, 0.05 * scale)
             else:
                 ref = clustering.canonical(hierarchy.fcluster(ref_Z, t=groups, criterion="maxclust"))
             assert np.array_equal(com.labels, ref), (seed, cut)

@@ -9,7 +9,7 @@ import torch
 
 from communities import config
 from communities.config import ConfigError
-from communities.engine.survival import NoSurvival, Survival, lost_rows
+from communities.engine.state.survival import NoSurvival, Survival, lost_rows
 from communities.runtime import launcher
 from communities.runtime.comm import World
 from communities.runtime.membership import Membership
@@ -193,7 +193,7 @@ def test_a_new_writer_takes_the_run_directory_over_and_meta_names_it(tmp_path):
     refused naming its holder; a released one is taken, temporaries are swept and meta.json names both writers."""
     import json
 
-    from communities.engine.run_dir import RunDirectory
+    from communities.engine.state.run_dir import RunDirectory
     from communities.errors import RunLocked
     from communities.runlock import RunLock
 
@@ -223,7 +223,7 @@ def test_a_new_writer_takes_the_run_directory_over_and_meta_names_it(tmp_path):
 def test_rows_appended_after_a_rewind_reach_the_rewritten_log(tmp_path):
     """The writer keeps each log open for its appends. A rewind that drops rows rewrites the file (a new inode):
     the appends after it must reach the new file, not the unlinked one (the chaos soak found rows lost so)."""
-    from communities.engine.run_dir import RunDirectory
+    from communities.engine.state.run_dir import RunDirectory
     from communities.results import RunWriter, read_jsonl
 
     run = tmp_path / "run"

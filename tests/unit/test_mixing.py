@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from communities import config as config_mod
 from communities.core import merge, partners
 from communities.core.clustering import Communities
-from communities.engine import strategies
+from communities.engine.mixing import strategies
 from communities.errors import ConfigError
 
 

@@ -8,7 +8,8 @@ import torch
 
 from communities.config import ConfigError, ExamplesConfig, apply_overrides, from_dict
 from communities.core import partners, probe
-from communities.engine import example_tracker, strategies
+from communities.engine.mixing import strategies
+from communities.engine.replica import examples as example_tracker
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,7 @@ from scipy.spatial.distance import squareform
 
 from communities.config import apply_overrides, from_dict
 from communities.core import clustering, partners, protocol
-from communities.engine import strategies
+from communities.engine.mixing import strategies
 
 METHODS = ("average", "complete", "single", "ward", "centroid", "median")  # the last two may invert heights
 
@@ -190,10 +190,10 @@ def test_staleness_survives_a_checkpoint_and_an_older_checkpoints_matrix_still_l
 
 
 def test_bench_partners_runs_small_and_prints(capsys, tmp_path):
-    from communities.tools import bench
+    from communities.tools.bench.main import main_bench
 
     out = tmp_path / "p.json"
-    assert bench.main_bench(["partners", "--n", "8", "32", "--reps", "1", "--json", str(out)]) == 0
+    assert main_bench(["partners", "--n", "8", "32", "--reps", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "all N ms (cpu)" in text and "least_recent" in text and out.exists()
 

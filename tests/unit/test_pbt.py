@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from communities import config as config_mod
 from communities.core import merge, pbt, protocol
-from communities.engine.hyper import Hyperparameters, initial, initial_lams
+from communities.engine.replica.hyper import Hyperparameters, initial, initial_lams
 from communities.errors import ConfigError
 
 PARAMS = {"train.lr": {"low": 1e-3, "high": 1.0}, "train.momentum": {"low": 0.5, "high": 0.95, "scale": "linear"},

@@ -266,7 +266,7 @@ def test_the_mpi_library_string_has_no_nul(monkeypatch):
 def test_quiet_and_verbose_set_what_is_printed(capsys):
     import logging
 
-    log = logging.getLogger("communities.engine.runlog")
+    log = logging.getLogger("communities.engine.record.runlog")
     try:
         for quiet, verbose, shown in ((True, False, {"warn"}), (False, False, {"info", "warn"}),
                                       (False, True, {"debug", "info", "warn"})):

@@ -1,4 +1,4 @@
-"""Who/when vs how: strategies reach the mixer only through ``strategies.Mixing``; merge rows come from named
+"""Who/when vs how: strategies reach the mixer only through ``strategy.Mixing``; merge rows come from named
 constructors; the asynchronous mixer draws no unavailable partner."""
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ import pytest
 import torch
 
 from communities import config
-from communities.engine import strategies
-from communities.engine.async_mixer import AsyncMixer
-from communities.engine.survival import lost_rows
+from communities.engine.mixing import strategies
+from communities.engine.mixing.async_mixer import AsyncMixer
+from communities.engine.state.survival import lost_rows
 from communities.results import Event, MergeRow
 
 from .test_engine_parts import make_cfg
 
-ENGINE = Path(strategies.__file__).parent
+MIXING = Path(strategies.__file__).parent
+ENGINE = MIXING.parent
+STRATEGY_FILES = ("strategy.py", "strategies.py", "gossip.py", "averaging.py", "ifca.py")
 
 
 def imported_modules(path: Path) -> set:
@@ -35,7 +37,9 @@ def imported_modules(path: Path) -> set:
 
 
 def test_strategies_do_not_import_the_mixer():
-    assert not {".mixer", ".async_mixer", "communities.engine.mixer"} & imported_modules(ENGINE / "strategies.py")
+    for name in STRATEGY_FILES:
+        mixers = {".mixer", ".async_mixer", ".async_posted", "communities.engine.mixing.mixer"}
+        assert not mixers & imported_modules(MIXING / name), name
 
 
 def test_syncs_gradients_has_one_home():
@@ -43,9 +47,10 @@ def test_syncs_gradients_has_one_home():
 
 
 def test_merge_rows_are_built_by_name_at_every_site():
-    for path in ENGINE.glob("*.py"):
+    assert len(list(ENGINE.rglob("*.py"))) > 20  # every engine module, in its sub-packages too
+    for path in ENGINE.rglob("*.py"):
         assert "MergeRow(" not in path.read_text() or path.name == "mixer.py", path  # mixer.exchange: its own
-    for path in ENGINE.glob("*.py"):
+    for path in ENGINE.rglob("*.py"):
         assert "._events" not in path.read_text() or path.name == "mixer.py", path
 
 

@@ -1,0 +1,406 @@
+"""One rank's replica: its model as one flat buffer, its optimizer, and its training progress, on the data it holds.
+
+The flat buffer *is* the model (``models.flatten_``): an exchange sends it as
+one buffer and a merge is one ``lerp_`` over it. Everything a later unit
+depends on (weights, optimizer moments, torch's RNG for dropout, the example
+table) is in ``state_dict``, so a resumed run continues bit for bit. The data
+(``data``, a frozen ``ReplicaData``) is placed once, before the model is built.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ...config import SYNCS_GRADIENTS
+from ...core import merge, privacy, protocol, robust
+from ...errors import ConfigError
+from ...results import MetricRow
+from ...runtime.collective import on_every_rank
+from ...runtime.comm import World
+from ...workload import models, train, vectorized
+from ...workload.private import DPPlan, PrivateGradient, check_model, plan, require_opacus
+from ...workload.vectorized import StackedTrainer
+from ..faults import NoFaults
+from ..timer import Timer
+from .data import ReplicaData, load_replica_data
+from .examples import ExampleTracker
+from .hyper import Hyperparameters
+
+if TYPE_CHECKING:
+    from ...config import Config
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    """This rank's model on its data. Build with ``Replica.build`` (a collective: every rank calls it)."""
+
+    cfg: "Config"
+    world: World
+    device: torch.device
+    timer: Timer
+    faults: NoFaults
+    rank: int
+    data: ReplicaData  # what this rank holds of the data (replaced, never changed: ``adopt``)
+    model: torch.nn.Module
+    flat: torch.Tensor  # the model's parameters and buffers, one buffer (models.flatten_)
+    n_params: int  # how many leading values of ``flat`` are parameters
+    opt: torch.optim.Optimizer
+    tracker: Optional[ExampleTracker]  # examples.track: which examples each unit trains on
+    vectorized: bool  # train.vectorize: the replicas of this process train as one stacked model
+    # training progress, what a partner is told at an exchange and what the summary reports
+    samples: int
+    recent_loss: float
+    first_loss: float
+    test_acc: float
+    test_loss: float
+    diverged: bool
+    outlier: bool  # robust.enabled: the latest round left this rank out
+    outer: Optional[merge.OuterOptimizer]  # merge.outer or diloco (``enable_outer``)
+    anchor: Optional[torch.Tensor]  # diloco: the weights all ranks held after the last global step
+    private: Optional[PrivateGradient]  # privacy.enabled: DP-SGD's clipped, noised gradients
+    dp: Optional[DPPlan]  # privacy.enabled: the sampling rate and noise this replica's accounting uses
+    dp_steps: int  # DP-SGD steps taken so far (the accountant's step count)
+    hyper: Optional[Hyperparameters]  # pbt.enabled: the hyperparameters this replica owns
+
+    def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
+                 placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
+                 tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional[DPPlan] = None):
+        self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
+        self.rank, self.data, self.tracker, self.vectorized = world.rank, placed, tracker, vectorized
+        self.model, self.flat, self.n_params = model, flat, n_params
+        self.opt = train.make_optimizer(cfg.train, model.parameters())
+        self.samples = 0
+        self.recent_loss = self.first_loss = self.test_acc = self.test_loss = float("nan")
+        self.diverged = self.outlier = False
+        self.outer, self.anchor = None, None
+        self.dp, self.dp_steps, self.private = dp, 0, None
+        self.hyper = Hyperparameters(cfg, self.rank, world.size) if cfg.pbt.enabled else None  # pbt: this replica's own
+        if self.hyper is not None:
+            self.hyper.apply(self.opt)
+        if dp is not None:
+            pc = cfg.privacy
+            self.private = PrivateGradient(model, max_grad_norm=pc.max_grad_norm, noise_multiplier=dp.noise_multiplier,
+                                           noise=pc.noise, seed=cfg.seed, rank=self.rank,
+                                           poisson=pc.sampling == "poisson", per_example=pc.per_example)
+
+    @property
+    def told_loss(self) -> float:
+        """The training loss partners are told (merge.rule loss); none under privacy, where it is not noised."""
+        return self.recent_loss if self.dp is None else float("nan")
+
+    @property
+    def epsilon(self) -> float:
+        """This replica's epsilon so far at privacy.delta (Opacus's RDP accountant); nan without privacy."""
+        if self.dp is None:
+            return float("nan")
+        return privacy.epsilon(self.dp.noise_multiplier, self.dp.sample_rate, self.dp_steps, self.cfg.privacy.delta)
+
+    @classmethod
+    def build(cls, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults) -> "Replica":
+        """Load and place the data, build the model and share rank 0's initial weights."""
+        placed = load_replica_data(cfg, world, device)
+        tracker, model, flat, n_params = on_every_rank(world, lambda: _build_model(cfg, world, device, placed))
+        shapes = models.shape_signature(model)
+        world.agree(protocol.digest(np.frombuffer(shapes.encode(), dtype=np.uint8)),
+                    f"model parameter shapes and dtypes (this rank: {len(flat)} values)")
+        if cfg.model.init == "shared":
+            world.bcast_(flat)
+        vectorized = on_every_rank(world, lambda: _stacked(cfg, world, model, placed))
+        dp = on_every_rank(world, lambda: _dp_plan(cfg, model, placed))
+        if dp is not None and world.leads:
+            _announce(cfg, dp)
+        torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
+        return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,
+                   n_params=n_params, tracker=tracker, vectorized=vectorized, dp=dp)
+
+    def adopt(self, ranks: List[int]) -> None:
+        """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""
+        self.data = self.data.adopt(ranks)
+
+    def enable_outer(self, outer_cfg, anchor: bool = False) -> None:
+        """An outer optimizer on merges (merge.outer) or on global averages (diloco, with an anchor)."""
+        if self.outer is None:
+            self.outer = merge.OuterOptimizer(self.flat.numel(), lr=outer_cfg.lr, momentum=outer_cfg.momentum,
+                                              nesterov=outer_cfg.nesterov, device=self.device, dtype=self.flat.dtype)
+        if anchor and self.anchor is None:
+            self.anchor = self.flat.clone()
+
+    # ------------------------------------------------------------------ training
+
+    def train_unit(self, t: int, grad_sync: Optional[Callable[[], None]] = None, steps: Optional[int] = None,
+                   between_batches: Optional[Callable[[], None]] = None) -> MetricRow:
+        """Train unit t on the shard, check for divergence, evaluate when due; returns the unit's metrics row.
+
+        ``between_batches`` (the asynchronous mixer's serving) runs after every batch.
+        """
+        cfg = self.cfg
+        if self.vectorized:
+            res = self._train_stacked(t, steps)
+        with self.timer("train"):
+            if not self.vectorized:
+                x, y, rows = self.data.x, self.data.y, None
+                if self.tracker is not None:
+                    rows = self.tracker.training_rows(t)
+                    x, y = self.tracker.view(rows)
+                hook = _batch_hook(self.faults, t, between_batches)
+                res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
+                                       grad_sync=grad_sync, between_batches=hook, private=self.private)
+                if self.tracker is not None and rows is not None:
+                    self.tracker.trained(rows)
+            self.faults.during_unit(t)
+        self.faults.after_unit(t, self.flat)
+        self.samples += res.samples
+        self.dp_steps += res.steps if self.dp is not None else 0
+        self.recent_loss = res.loss
+        if t == 1 or not math.isfinite(self.first_loss):
+            self.first_loss = res.loss
+        weight_sum = float(self.flat.sum())
+        if self.dp is None:
+            diverged = robust.is_diverged(weight_sum, res.loss, self.first_loss, cfg.robust.loss_factor)
+        else:  # the flag travels to partners, so under privacy it reads the weights only: the loss is not noised
+            diverged = not math.isfinite(weight_sum)
+        if not self.diverged and diverged:
+            self.diverged = True
+            log.warning(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be "
+                        f"merged into partners ({cfg.robust.diverged})")
+        if self.tracker is not None:
+            with self.timer("eval"):
+                self.tracker.maybe_evaluate(self.model, t)
+        test_acc = test_loss = local_acc = local_loss = float("nan")
+        if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
+            m = cfg.train.eval_samples  # (None: the whole split)
+            if self.vectorized:
+                test_acc, test_loss = self._evaluate_stacked(t, m)
+            with self.timer("eval"):
+                if not self.vectorized:
+                    test_acc, test_loss = train.evaluate(self.model, self.data.x_test[:m], self.data.y_test[:m])
+                if self.has_local_test:
+                    local_acc, local_loss = train.evaluate(self.model, self.data.x_local, self.data.y_local)
+            self.test_acc, self.test_loss = test_acc, test_loss
+        loss, acc = res.loss, res.accuracy
+        if self.dp is not None and not cfg.privacy.report_train_loss:
+            loss = acc = float("nan")  # not noised: kept on this replica (privacy.report_train_loss)
+        return MetricRow(t, loss, acc, test_acc, test_loss, self.samples, self.world.bytes_sent,
+                         self.timer.elapsed(), local_acc, local_loss, self.epsilon)
+
+    def _train_stacked(self, t: int, steps: Optional[int]) -> train.UnitResult:
+        """Unit t trained together with the process's other replicas, as one stacked model (train.vectorize).
+
+        The step is waited for as idle; each replica's share of its seconds is then counted as training."""
+        cfg = self.cfg
+        member = vectorized.Member(self.model, self.opt, self.flat, self.data.x, self.data.y, self.rank)
+
+        def step(members: List[vectorized.Member]) -> list:
+            return vectorized.train_members(self._stacked_trainer(len(members)), members, cfg.seed, t, steps)
+
+        with self.timer("idle"):
+            res, seconds = self.world.together(("train", t), member, step)
+        self.timer.reassign(seconds, "idle", "train")
+        return res
+
+    def _stacked_trainer(self, count: int) -> StackedTrainer:
+        """The process's stacked model for ``count`` replicas (built once, by the first replica that asks)."""
+        return self.world.shared(("stacked trainer", count), lambda: StackedTrainer(
+            self.model, torch.zeros((count, self.n_params), dtype=self.flat.dtype), self.cfg.train,
+            name=self.cfg.model.name))
+
+    def _evaluate_stacked(self, t: int, m: Optional[int]) -> Tuple[float, float]:
+        """This replica's (accuracy, loss) on the shared test split, scored with the process's other replicas as
+        one stacked model (train.vectorize); its share of the seconds is counted as evaluation."""
+        def score(flats: List[torch.Tensor]) -> list:
+            start = time.perf_counter()
+            res = self._stacked_trainer(len(flats)).evaluate(flats, self.data.x_test[:m], self.data.y_test[:m])
+            share = (time.perf_counter() - start) / max(len(flats), 1)
+            return [(r, share) for r in res]
+
+        with self.timer("idle"):
+            res, seconds = self.world.together(("eval", t), self.flat, score)
+        self.timer.reassign(seconds, "idle", "eval")
+        return res
+
+    def evaluate(self, flat: Optional[torch.Tensor] = None) -> Tuple[float, float]:
+        """(accuracy, loss) on the shared test split, of these weights (default: this rank's own)."""
+        return self.evaluate_on(self.data.x_test, self.data.y_test, flat)
+
+    @property
+    def has_local_test(self) -> bool:
+        """Whether this run holds out local test data (data.local_test_fraction > 0)."""
+        return self.cfg.data.local_test_fraction > 0
+
+    def evaluate_local(self, flat: Optional[torch.Tensor] = None) -> Tuple[float, float]:
+        """(accuracy, loss) on this rank's local test data (its own group's distribution), of these weights."""
+        return self.evaluate_on(self.data.x_local, self.data.y_local, flat)
+
+    def evaluate_on(self, x: torch.Tensor, y: torch.Tensor, flat: Optional[torch.Tensor] = None
+                    ) -> Tuple[float, float]:
+        """(accuracy, loss) on (x, y) of ``flat`` (default: this rank's own weights, left as they are)."""
+        if flat is None:
+            return train.evaluate(self.model, x, y)
+        with self.holding(flat):
+            return train.evaluate(self.model, x, y)
+
+    def state_dict_of(self, flat: torch.Tensor) -> dict:
+        """The model's ``state_dict`` (CPU copies) with ``flat`` as its weights."""
+        with self.holding(flat):
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    @contextmanager
+    def holding(self, weights: torch.Tensor, fresh_optimizer: bool = False) -> Iterator[None]:
+        """The model holds ``weights`` inside the block, this rank's own again after it (an error too); with
+        ``fresh_optimizer`` the optimizer starts the block with no state and gets its own back after it."""
+        saved = self.flat.clone()
+        saved_opt = copy.deepcopy(self.opt.state_dict()) if fresh_optimizer else None
+        self.flat.copy_(weights)
+        if fresh_optimizer:
+            self.opt.state.clear()
+        try:
+            yield
+        finally:
+            self.flat.copy_(saved)
+            if saved_opt is not None:
+                self.opt.load_state_dict(saved_opt)
+
+    # ------------------------------------------------------------------ averages
+
+    def set_outlier(self, outlier: bool) -> None:
+        """robust.enabled: whether the latest signature round left this rank out of averages."""
+        self.outlier = outlier
+
+    @property
+    def keep(self) -> bool:
+        """Whether this rank's weights count in averages and the consensus model."""
+        return not (self.outlier or self.diverged)
+
+    def outgoing(self) -> torch.Tensor:
+        """What this rank shows others: its weights, or an injected Byzantine lie."""
+        return self.faults.outgoing(self.flat)
+
+    def masked_mean(self) -> torch.Tensor:
+        """Allreduce mean over the ranks that ``keep``; equals the plain mean (bit for bit) when all do."""
+        keep = self.keep
+        mean = self.outgoing().clone() if keep else torch.zeros_like(self.flat)
+        with self.timer.collective("masked_mean"):  # waiting for the last rank becomes idle (Timer.settle)
+            self.world.allreduce_sum_(mean)
+        count = self.world.allreduce_scalar(float(keep))
+        return mean.div_(count if count > 0 else self.world.size)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        return {
+            "flat": self.flat.detach().cpu().clone(), "optimizer": self.opt.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "outer_m": self.outer.m.detach().cpu().clone() if self.outer is not None else None,
+            "anchor": self.anchor.detach().cpu().clone() if self.anchor is not None else None,
+            "samples": self.samples, "recent_loss": self.recent_loss, "first_loss": self.first_loss,
+            "test_acc": self.test_acc, "test_loss": self.test_loss, "diverged": self.diverged,
+            "outlier": self.outlier, "dp_steps": self.dp_steps,
+            "pbt": None if self.hyper is None else self.hyper.state_dict(),
+            "examples": None if self.tracker is None else self.tracker.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["flat"].numel() != self.flat.numel():
+            raise ValueError(f"it holds {state['flat'].numel()} weights; this model has {self.flat.numel()}")
+        self.flat.copy_(state["flat"].to(self.flat.device))
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.outer is not None:
+            self.outer.m.copy_(state["outer_m"].to(self.outer.m.device))
+        if self.anchor is not None:
+            self.anchor.copy_(state["anchor"].to(self.anchor.device))
+        for key in ("samples", "recent_loss", "first_loss", "test_acc", "test_loss", "diverged", "outlier"):
+            setattr(self, key, state[key])
+        self.dp_steps = int(state.get("dp_steps", 0))  # (checkpoints from before privacy existed)
+        if self.hyper is not None:
+            self.hyper.load_state_dict(state["pbt"], self.opt)
+        if self.tracker is not None:
+            if state["examples"] is None:
+                raise ValueError("it has no example table, but examples.track is on")
+            self.tracker.load_state_dict(state["examples"])
+
+
+def _batch_hook(faults: NoFaults, t: int, serve: Optional[Callable[[], None]]) -> Optional[Callable[[int], None]]:
+    """What runs between batches: an injected slowdown of this batch, then serving partners."""
+    slow = faults.batch_hook(t)
+    if slow is None and serve is None:
+        return None
+
+    def hook(step: int) -> None:
+        if slow is not None:
+            slow(step)
+        if serve is not None:
+            serve()
+            if slow is not None:
+                slow.restart()  # the time spent serving is not this rank's compute
+    return hook
+
+
+def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: ReplicaData) -> bool:
+    """train.vectorize: whether this process's replicas train as one stacked model (a ConfigError for ``on``
+    where they cannot: what acts inside one replica's own batches, or a model vmap cannot stack)."""
+    mode = cfg.train.vectorize
+    if mode == "off":
+        return False
+    inside = [key for key, on in (("examples.track", cfg.examples.track), ("strategy=allreduce",
+                                                                          cfg.strategy == "allreduce"),
+                                  ("protocol=async", cfg.protocol == "async"),
+                                  ("privacy.enabled", cfg.privacy.enabled),
+                                  ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0),
+                                  ("train.schedule or train.warmup", train.scheduled(cfg.train)),
+                                  (f"data.dataset={cfg.data.dataset}", placed.dataset.sequence))
+              if on]
+    if inside:
+        if mode == "on":
+            raise ConfigError(f"train.vectorize=on cannot apply with {', '.join(inside)}: each acts inside one "
+                              "replica's own batches (use train.vectorize: off or auto)")
+        return False
+    per = world.size // world.processes
+    return world.shared(("vectorize",), lambda: vectorized.resolve_vectorize(
+        mode, model, per, sample=(placed.x[:4], placed.y[:4]), name=cfg.model.name))
+
+
+def _announce(cfg: "Config", dp: DPPlan) -> None:
+    """Rank 0's start-up line on privacy: the noise, the sampling and the epsilon the budget plans."""
+    pc = cfg.privacy
+    log.info(f"communities: privacy: DP-SGD with noise multiplier {dp.noise_multiplier:.4g}, clipping "
+             f"{pc.max_grad_norm:g}, {pc.sampling} sampling at q={dp.sample_rate:.4g} (rank 0); "
+             f"{dp.planned_steps} steps plan epsilon {dp.planned_epsilon:.3g} at delta {pc.delta:g}")
+    if pc.noise == "seeded":
+        log.warning("communities: privacy.noise=seeded: the noise is keyed by the config's seed, so anyone "
+                    "who knows the config can remove it; use privacy.noise=secret to protect data")
+
+
+def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Optional[DPPlan]:
+    """privacy.enabled: this replica's sampling rate and noise (a ConfigError for what DP-SGD cannot train)."""
+    pc = cfg.privacy
+    if not pc.enabled:
+        return None
+    require_opacus()
+    check_model(model, cfg.model.name, placed.x, placed.y, cfg.privacy.per_example)
+    return plan(pc, cfg.train, len(placed.y), [s.indices.size for s in placed.shards],
+                lockstep=cfg.strategy in SYNCS_GRADIENTS)
+
+
+def _build_model(cfg: "Config", world: World, device: torch.device, placed: ReplicaData
+                 ) -> Tuple[Optional[ExampleTracker], torch.nn.Module, torch.Tensor, int]:
+    """This rank's example tracker (examples.track), and its model as one flat buffer (not yet shared)."""
+    ds = placed.dataset
+    tracker = None
+    if cfg.examples.track:
+        tracker = ExampleTracker(cfg.examples, np.asarray(placed.shard.indices, dtype=np.int64),
+                                 x_pool=ds.x_train, y_pool=ds.y_train, world=world.size, rank=world.rank,
+                                 seed=cfg.seed, device=device, n_classes=ds.n_classes)
+    torch.manual_seed(models.init_seed(cfg.seed, world.rank, cfg.model.init))
+    model = models.build(cfg.model, ds.input_shape, ds.n_classes).to(device)
+    models.check_output(model, placed.x_test[:4], ds.n_classes, cfg.model.name, ds.sequence)
+    flat, n_params = models.flatten_(model)
+    return tracker, model, flat, n_params

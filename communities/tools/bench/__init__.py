@@ -1,0 +1,1 @@
+"""The benchmarks of ``communities bench``: one module per benchmark, the command line in ``main.py``."""

@@ -1,0 +1,229 @@
+"""``communities bench chaos``: a soak under ULFM in which ranks are killed from outside, one every few seconds.
+
+Why: a test that kills one chosen rank at one chosen point proves one path; users of elastic training trust
+a job that keeps going while workers die at any moment, the writer included. So the launcher side here
+starts a job with ``comm.fault_tolerance: shrink`` under Open MPI's ULFM, waits for its first signature
+round, then every ``--every LO HI`` seconds (uniform) sends SIGKILL to a rank drawn at random among those
+alive, rank 0 and the current writer included, until ``--keep`` ranks remain (one kill, drawn at random among
+them, targets the writer itself unless ``--no-kill-writer``). The ranks' processes are found
+as the launcher's descendants that carry an MPI rank in their environment (Open MPI's ``OMPI_COMM_WORLD_RANK``,
+PMIx's ``PMIX_RANK``, MPICH's ``PMI_RANK``), so nothing in the job helps the killer.
+
+The verdict on each run: the job's exit status; ``report.audit`` of its directory (complete, every product
+and checkpoint matching its manifest, no temporaries, every unit of every rank in ``metrics.jsonl`` once);
+``communities inspect`` reads it; the ranks the summary says were lost are the ranks killed; and its
+consensus accuracy against the same job with no kill, run first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..jobs import children_of, find_mpiexec
+from .common import fmt_table, machine_load, write_json
+
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+# per protocol: a checkpoint every 100 units under the virtual clock (kills land in them too); async checkpoints
+# only at a stop and at the end
+PROTOCOLS = {"sync": ["checkpoint.every=100"], "async": ["protocol=async", "comm.timeout=60"]}
+
+
+def rank_processes(launcher_pid: int) -> Dict[int, int]:
+    """{MPI rank: pid} of the launcher's descendants that are ranks (read from /proc)."""
+
+    children = children_of()
+    out: Dict[int, int] = {}
+    stack = list(children.get(launcher_pid, []))
+    while stack:
+        pid = stack.pop()
+        stack += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except OSError:
+            continue
+        if b"python" not in cmd:  # setsid or a wrapper shell: the rank is its child
+            continue
+        for var in RANK_VARS:
+            if var.encode() in env:
+                out[int(env[var.encode()])] = pid
+                break
+    return out
+
+
+def _summary(run: Path) -> Optional[dict]:
+    try:
+        return json.loads((run / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def launch(mpiexec: str, ranks: int, config: str, root: Path, name: str, sets: List[str]) -> subprocess.Popen:
+    """The job under ULFM (Open MPI: ``--with-ft ulfm``), in a session of its own, its output to files."""
+    cmd = [mpiexec, "-n", str(ranks)]
+    if "Open MPI" in _mpiexec_version(mpiexec):
+        cmd += ["--oversubscribe", "--with-ft", "ulfm"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    cmd += [sys.executable, "-m", "communities", "run", config, f"output.root={root}", f"name={name}",
+            "comm.fault_tolerance=shrink", "--no-progress", "--overwrite", *sets]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = open(root / f"{name}.out", "w")
+    err = open(root / f"{name}.err", "w")
+    return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+
+
+def _mpiexec_version(mpiexec: str) -> str:
+    try:
+        return subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random, timeout: float,
+         writer_kill: Optional[int] = None) -> List[dict]:
+    """Kill a random rank every U(every) seconds from the first round on, until ``keep`` remain; then wait.
+
+    ``writer_kill``: the kill (0-based) that targets the writer, the lowest rank alive, rather than a random rank.
+    """
+    deadline = time.monotonic() + timeout
+    kills: List[dict] = []
+    while proc.poll() is None and not (run / "rounds" / "round_0000").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    start = time.time()
+    while proc.poll() is None and time.monotonic() < deadline:
+        ranks = rank_processes(proc.pid)
+        alive = {r: p for r, p in ranks.items() if r not in {k["rank"] for k in kills}}
+        if len(alive) <= keep:
+            break
+        time.sleep(rng.uniform(*every))
+        if proc.poll() is not None or (run / "summary.json").exists():
+            break  # the run ended (or is writing its end) before every kill landed
+        alive = {r: p for r, p in rank_processes(proc.pid).items() if r not in {k["rank"] for k in kills}}
+        if len(alive) <= keep:
+            break
+        rank = min(alive) if len(kills) == writer_kill else rng.choice(sorted(alive))
+        try:
+            os.kill(alive[rank], signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        kills.append({"rank": rank, "pid": alive[rank], "at_s": round(time.time() - start, 2)})
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return kills
+
+
+def verdict(run: Path, kills: List[dict], returncode: int) -> dict:
+    """What the soak's run directory shows: the audit, inspect's exit, who was lost, who wrote."""
+    from ...report.audit import audit
+
+    problems = audit(run)
+    res = subprocess.run([sys.executable, "-m", "communities", "inspect", str(run), "--out",
+                          str(run.parent / f"{run.name}_report"), "--last"], capture_output=True, text=True)
+    s = _summary(run) or {}
+    membership = s.get("membership") or {}
+    lost = sorted(e["rank"] for e in membership.get("lost", []))
+    meta = json.loads((run / "meta.json").read_text()) if (run / "meta.json").exists() else {}
+    recoveries = membership.get("recoveries", [])
+    return {"exit": returncode, "problems": problems, "inspect_exit": res.returncode,
+            "inspect_error": res.stderr.strip().splitlines()[-1:] if res.returncode else [],
+            "killed": sorted(k["rank"] for k in kills), "lost": lost, "lost_as_killed": lost == sorted(
+                k["rank"] for k in kills), "writers": [w["rank"] for w in meta.get("writers", [])],
+            "recoveries": len(recoveries), "survivors": len(membership.get("survivors", [])),
+            "recover_s": [round(r["recovered_wall"] - r["detected_wall"], 3) for r in recoveries],
+            "consensus_test_acc": s.get("consensus_test_acc"), "units": s.get("units")}
+
+
+def bench_chaos(args) -> int:
+
+    mpiexec = args.mpiexec or find_mpiexec()
+    root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"communities bench chaos: {args.ranks} ranks, a SIGKILL every {args.every[0]:g}-{args.every[1]:g} s "
+          f"until {args.keep} remain; {machine_load()}; runs in {root}")
+    rows, out = [], []
+    ok = True
+    for protocol in args.protocols:
+        sets = [f"world_size={args.ranks}", *PROTOCOLS[protocol], *args.set]
+        clean = launch(mpiexec, args.ranks, args.config, root, f"{protocol}_clean", sets)
+        try:
+            clean.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(clean.pid, signal.SIGKILL)
+            clean.wait()
+        base = _summary(root / f"{protocol}_clean") or {}
+        if clean.returncode != 0 or not base:
+            tail = (root / f"{protocol}_clean.err").read_text()[-1500:]
+            print(f"{protocol}: the run with no kill failed (exit {clean.returncode}):\n{tail}")
+            ok = False
+            continue
+        t0 = time.monotonic()
+        proc = launch(mpiexec, args.ranks, args.config, root, f"{protocol}_chaos", sets)
+        rng = random.Random(args.seed)
+        writer_kill = rng.randrange(args.ranks - args.keep) if args.kill_writer else None
+        kills = soak(proc, root / f"{protocol}_chaos", args.keep, args.every, rng, args.timeout, writer_kill)
+        wall = time.monotonic() - t0
+        v = verdict(root / f"{protocol}_chaos", kills, proc.returncode)
+        v.update(protocol=protocol, kills=kills, wall_s=round(wall, 1), clean_wall_s=base.get("wall_time"),
+                 clean_consensus_test_acc=base.get("consensus_test_acc"))
+        acc, ref = v["consensus_test_acc"], v["clean_consensus_test_acc"]
+        delta = None if acc is None or ref is None else 100 * (acc - ref)
+        good = (v["exit"] == 0 and not v["problems"] and v["inspect_exit"] == 0 and v["lost_as_killed"]
+                and len(kills) == args.ranks - args.keep and delta is not None and delta >= -args.tolerance)
+        ok &= good
+        v["delta_points"], v["pass"] = delta, good
+        out.append(v)
+        writer_kills = sum(1 for k in kills if k["rank"] in v["writers"][:-1])
+        rows.append([protocol, len(kills), writer_kills, "->".join(map(str, v["writers"])), v["exit"],
+                     len(v["problems"]), v["inspect_exit"], "yes" if v["lost_as_killed"] else "NO",
+                     f"{ref:.4f}" if ref is not None else None, f"{acc:.4f}" if acc is not None else None,
+                     f"{delta:+.2f}" if delta is not None else None,
+                     f"{max(v['recover_s']):.2f}" if v["recover_s"] else None, f"{wall:.0f}",
+                     "pass" if good else "FAIL"])
+        for p in v["problems"][:10]:
+            print(f"  {protocol}: {p}")
+        if v["exit"] != 0:
+            print((root / f"{protocol}_chaos.err").read_text()[-2000:])
+    print(fmt_table(["protocol", "kills", "of the writer", "writers", "exit", "damaged", "inspect", "lost = killed",
+                      "no-kill acc", "chaos acc", "Δ points", "max shrink s", "wall s", "verdict"], rows))
+    write_json(args.json, {"ranks": args.ranks, "keep": args.keep, "every": args.every, "runs": out})
+    if not args.output_root:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if ok else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chaos", help="a ULFM soak: SIGKILL a random rank (the writer included) every few seconds "
+                                     "until N remain; check the run directory and the consensus")
+    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--ranks", type=int, default=16)
+    p.add_argument("--keep", type=int, default=8, help="stop killing when this many ranks remain")
+    p.add_argument("--every", type=float, nargs=2, default=[5.0, 10.0], metavar=("LO", "HI"),
+                   help="seconds between kills, uniform in [LO, HI]")
+    p.add_argument("--protocols", nargs="+", default=["sync", "async"], choices=sorted(PROTOCOLS))
+    p.add_argument("--set", action="append", default=["consensus.stop=false", "train.budget=3000",
+                                                      "comm.lost_shard=adopt"],
+                   metavar="KEY=VALUE", help="a config override for both runs (repeatable; added to the defaults: "
+                   "no consensus stop, 3000 units, adopted shards; sync also checkpoints every 100 units)")
+    p.add_argument("--no-kill-writer", dest="kill_writer", action="store_false",
+                   help="every kill at random (by default one of them, drawn at random, targets the writer: the "
+                        "lowest rank alive)")
+    p.add_argument("--tolerance", type=float, default=1.0, help="points of consensus accuracy the soak may lose")
+    p.add_argument("--seed", type=int, default=0, help="seed of the killer's draws")
+    p.add_argument("--mpiexec", default=None, help="an MPI launcher with ULFM (default: mpiexec next to python)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
+    p.add_argument("--output-root", default=None, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(handler=bench_chaos)

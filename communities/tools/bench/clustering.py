@@ -1,0 +1,173 @@
+"""``communities bench clustering``: linkage + cut + partner law + partner draws for all ranks."""
+from __future__ import annotations
+
+import sys
+import time
+
+from .common import fmt_table, machine_load, median, write_json
+
+
+def planted_signatures(n: int, d: int, groups: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(groups, d))
+    labels = np.arange(n) % groups
+    return (centres[labels] + 0.3 * rng.normal(size=(n, d))).astype(np.float32)
+
+
+def cut_auto_sklearn(Z, distances, max_k=16, min_silhouette=0.25, min_separation=0.0):
+    """The auto cut as first written (sklearn's silhouette_score once per k): the reference for timing and labels."""
+    import numpy as np
+    from scipy.cluster import hierarchy
+    from scipy.spatial.distance import squareform
+    from sklearn.metrics import silhouette_score
+
+    from ...core.clustering import cut_maxclust
+
+    n = Z.shape[0] + 1
+    if n < 3:
+        return np.zeros(n, dtype=np.int64)
+    D = squareform(distances)
+    best_k, best_s = 1, -np.inf
+    for k in range(2, min(max_k, n - 1) + 1):
+        if Z[n - k, 2] < min_separation:
+            break
+        labels = hierarchy.fcluster(Z, t=k, criterion="maxclust")
+        if len(np.unique(labels)) < 2:
+            continue
+        s = silhouette_score(D, labels, metric="precomputed")
+        if s > best_s + 1e-12:
+            best_k, best_s = len(np.unique(labels)), s
+    if best_s < min_silhouette:
+        return np.zeros(n, dtype=np.int64)
+    return cut_maxclust(Z, best_k)
+
+
+def bench_clustering(args) -> int:
+    import numpy as np
+
+    from ... import config
+    from ...core import clustering
+    from ...engine.mixing import strategies
+
+    machine = machine_load()
+    import importlib
+
+    importlib.import_module("sklearn.metrics")  # the reference cut needs it: keep its import out of the timings
+
+    results, rows = [], []
+    for n in args.n:
+        S = planted_signatures(n, args.dim, args.groups)
+        for cut in args.cuts:
+            for law in args.laws:
+                overrides = {"strategy": "community", "partners": {"law": law},
+                             "clustering": {"cut": cut, "k": {"start": min(args.k, n), "end": 1, "horizon": 100}}}
+                cfg = config.from_dict(overrides)
+                cc = cfg.clustering
+                t_unit = 1
+                k = int(round(min(args.k, n))) if cut == "maxclust" else None
+                times = {"pairwise": [], "linkage": [], "cut": [], "find_communities": [], "law": [], "draws": []}
+                for rep in range(args.reps + 1):  # the first is a warm-up
+                    strat = strategies.make(cfg, n)
+                    t0 = time.perf_counter()
+                    com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
+                                                      max_k=min(cc.max_communities, n - 1),
+                                                      min_silhouette=cc.min_silhouette,
+                                                      min_separation=cc.min_separation)
+                    strat.observe(com, None, t_unit)  # no mixer: partner_policy law needs none
+                    t1 = time.perf_counter()
+                    strat.law(t_unit)
+                    t2 = time.perf_counter()
+                    plan = strat.exchanges(t_unit, np.arange(n))
+                    t3 = time.perf_counter()
+                    # the pieces of find_communities, timed apart
+                    p0 = time.perf_counter()
+                    d = clustering.pairwise(S, cc.metric)
+                    p1 = time.perf_counter()
+                    Z = clustering.hierarchy.linkage(d, method=cc.linkage)
+                    p2 = time.perf_counter()
+                    if cut == "auto":
+                        clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
+                                            cc.min_separation)
+                    else:
+                        clustering.cut_maxclust(Z, k)
+                    p3 = time.perf_counter()
+                    if rep == 0:
+                        continue
+                    times["pairwise"].append(p1 - p0)
+                    times["linkage"].append(p2 - p1)
+                    times["cut"].append(p3 - p2)
+                    times["find_communities"].append(t1 - t0)
+                    times["law"].append(t2 - t1)
+                    times["draws"].append(t3 - t2)
+                med = {key: median(v) for key, v in times.items()}
+                total = med["find_communities"] + med["law"] + med["draws"]
+                r = {"n": n, "dim": args.dim, "cut": cut, "law": law, "communities": com.count,
+                     "exchanges": len(plan), **{f"{key}_s": v for key, v in med.items()}, "total_s": total}
+                ref_cell = "-"
+                if cut == "auto" and args.reference and law == args.laws[0]:
+                    ref_t = []
+                    for _ in range(max(1, min(args.reps, 3))):
+                        q0 = time.perf_counter()
+                        ref = cut_auto_sklearn(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
+                                                cc.min_separation)
+                        ref_t.append(time.perf_counter() - q0)
+                    fast_t = []
+                    for _ in range(max(1, min(args.reps, 3))):
+                        q0 = time.perf_counter()
+                        fast = clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
+                                                   cc.min_separation)
+                        fast_t.append(time.perf_counter() - q0)
+                    r["cut_reference_s"], r["cut_current_s"] = median(ref_t), median(fast_t)
+                    r["cut_same_labels"] = bool(np.array_equal(ref, fast))
+                    # the distances as first written: scipy pdist (what the Gram blocks replace)
+                    pd_t = []
+                    for _ in range(max(1, min(args.reps, 3))):
+                        q0 = time.perf_counter()
+                        ref_d = clustering._pdist(clustering._rows(S, cc.metric), cc.metric)
+                        pd_t.append(time.perf_counter() - q0)
+                    r["pairwise_pdist_s"] = median(pd_t)
+                    r["pairwise_max_rel_diff"] = float(np.max(np.abs(d - ref_d) / np.maximum(ref_d, 1e-300)))
+                    ref_cell = (f"{r['pairwise_pdist_s'] * 1e3:.1f} -> {med['pairwise'] * 1e3:.1f} "
+                                f"(max rel. diff {r['pairwise_max_rel_diff']:.0e}); "
+                                f"{r['cut_reference_s'] * 1e3:.1f} -> {r['cut_current_s'] * 1e3:.1f} "
+                                f"({'same' if r['cut_same_labels'] else 'DIFFERENT'} labels)")
+                results.append(r)
+                rows.append([n, cut, law, com.count, *[f"{med[key] * 1e3:.1f}" for key in times],
+                             f"{total * 1e3:.1f}", ref_cell])
+                print(f"  measured N={n} cut={cut} law={law}", file=sys.stderr, flush=True)
+    print(f"bench clustering: signatures N x d={args.dim} float32 with {args.groups} planted groups; engine defaults "
+          "(average linkage, cosine, auto: k=2..16, silhouette >= 0.25, separation >= 0.1); "
+          f"maxclust k={args.k}; median of {args.reps} repetitions after a warm-up; {machine}")
+    print()
+    print(fmt_table(["N", "cut", "law", "communities", "pairwise ms", "linkage ms", "cut ms", "find_communities ms",
+                      "law ms", "draws ms", "total ms",
+                      "first written -> now, ms: pairwise (pdist -> Gram); auto cut (sklearn per k -> one pass)"], rows,
+                     align="lll" + "r" * 8 + "l"))
+    print()
+    print("find_communities = pairwise (float64 Gram blocks, clustering._gram_distances) + linkage (scipy) + the cut, "
+          "each also timed alone; total = "
+          "find_communities + law + draws; law = "
+          "Strategy.law(t) (hierarchical: cophenetic heights); draws = Strategy.exchanges(t, all N ranks) "
+          "(one partner draw per rank, as if every timer fired; in the engine about N/lambda ranks draw every "
+          "unit). Last column: scipy pdist (as first written) against the Gram distances now, with their largest "
+          "relative difference; the auto cut with sklearn's silhouette_score per k (as first written) against "
+          "clustering.cut_auto now, on the same tree. Target: total < 1 s at N=4096.")
+    write_json(args.json, {"bench": "clustering", "results": results})
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("clustering", help="linkage + cut + partner law + draws at N ranks")
+    p.add_argument("--n", type=int, nargs="+", default=[64, 512, 4096])
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--groups", type=int, default=8, help="planted groups in the synthetic signatures")
+    p.add_argument("--cuts", nargs="+", default=["auto", "maxclust"], choices=["auto", "maxclust"])
+    p.add_argument("--laws", nargs="+", default=["flat", "hierarchical"], choices=["flat", "hierarchical"])
+    p.add_argument("--k", type=int, default=8, help="k of the maxclust cut")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip timing the sklearn-per-k reference of the auto cut")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(handler=bench_clustering)

@@ -1,0 +1,136 @@
+"""``communities bench privacy``: a DP-SGD step (ours) against the plain step and Opacus's."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List
+
+from .common import fmt_table, machine_load, write_json
+
+
+def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
+    """One model and batch size: seconds per step of the plain step, ours, and Opacus's, interleaved."""
+    import warnings
+
+    import torch
+    from torch.nn import functional as F
+
+    from ...config import ModelConfig
+    from ...workload import models
+    from ...workload.private import PrivateGradient, per_example_method
+
+    shape, classes = ((64,), 10) if model_name == "mlp" else ((40,), 10)
+    cfg = ModelConfig(name=model_name, hidden=[64])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, *shape, generator=g)
+    y = torch.randint(0, classes, (batch,), generator=g)
+
+    def build():
+        torch.manual_seed(seed)
+        return models.build(cfg, shape, classes)
+
+    plain = build()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    ours = {}
+    for how in ("vmap", "hooks"):
+        m = build()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        dp = PrivateGradient(m, max_grad_norm=1.0, noise_multiplier=1.0, noise="seeded", seed=seed, rank=0,
+                             per_example=how)
+        ours[how] = (dp, opt, dp.generator(0))
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = GradSampleModule(build())
+        their_opt = DPOptimizer(torch.optim.SGD(theirs.parameters(), lr=0.01), noise_multiplier=1.0,
+                                max_grad_norm=1.0, expected_batch_size=batch)
+
+    def step_plain():
+        plain_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(plain(x), y).backward()
+        plain_opt.step()
+
+    def step_ours(how):
+        dp, opt, gen = ours[how]
+        dp.backward(x, y, float(batch), opt, gen, set_to_none=True)
+        opt.step()
+
+    def step_opacus():
+        their_opt.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(theirs(x), y).backward()
+        their_opt.step()
+
+    # exactness first: the clipped sum without noise, ours (both ways) against Opacus's grad samples
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = GradSampleModule(build())
+        F.cross_entropy(ref(x), y, reduction="sum").backward()
+    per = torch.cat([p.grad_sample.reshape(batch, -1) for p in ref.parameters()], dim=1)
+    factor = (0.5 / (per.norm(dim=1) + 1e-6)).clamp(max=1.0)  # Opacus's clipping factor
+    theirs_sum = (per * factor[:, None]).sum(0) / batch
+    diff = 0.0
+    for how in ("vmap", "hooks"):
+        probe = build()
+        check = PrivateGradient(probe, max_grad_norm=0.5, noise_multiplier=0.0, noise="seeded", seed=seed, rank=0,
+                                per_example=how)
+        check.backward(x, y, float(batch), torch.optim.SGD(probe.parameters(), lr=0.0), check.generator(0), True)
+        mine = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
+        diff = max(diff, float((mine - theirs_sum).abs().max() / theirs_sum.abs().max()))
+    fns = {"plain": step_plain, "vmap": lambda: step_ours("vmap"), "hooks": lambda: step_ours("hooks"),
+           "opacus": step_opacus}
+    timings: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(3):  # warm-up
+        for fn in fns.values():
+            fn()
+    for _ in range(steps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            timings[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in timings.items()}
+    auto = per_example_method(plain)
+    return {"model": model_name, "batch": batch, "params": sum(p.numel() for p in plain.parameters()),
+            "plain_ms": 1e3 * med["plain"], "vmap_ms": 1e3 * med["vmap"], "hooks_ms": 1e3 * med["hooks"],
+            "opacus_ms": 1e3 * med["opacus"], "auto": auto, "auto_over_plain": med[auto] / med["plain"],
+            "opacus_over_auto": med["opacus"] / med[auto], "max_rel_diff_vs_opacus": diff}
+
+
+def bench_privacy(args) -> int:
+    import torch
+
+    from ...workload.private import require_opacus
+
+    require_opacus()
+    torch.set_num_threads(args.threads)
+    results = [_privacy_case(m, b, args.steps, args.seed) for m in args.models for b in args.batches]
+    rows = [[r["model"], r["params"], r["batch"], f"{r['plain_ms']:.2f}", f"{r['vmap_ms']:.2f}",
+             f"{r['hooks_ms']:.2f}", f"{r['opacus_ms']:.2f}", r["auto"], f"{r['auto_over_plain']:.1f}x",
+             f"{r['opacus_over_auto']:.2f}x", f"{r['max_rel_diff_vs_opacus']:.1e}"] for r in results]
+    print(f"bench privacy: one DP-SGD step (clip 1, noise 1, SGD) against the plain step; median of {args.steps} "
+          f"interleaved steps after 3 warm-ups, {args.threads} thread(s); {machine_load()}")
+    print()
+    print(fmt_table(["model", "params", "batch", "plain ms", "vmap ms", "hooks ms", "opacus ms", "auto",
+                      "auto / plain", "opacus / auto", "max rel diff"], rows))
+    print()
+    print("vmap, hooks = workload/private.py (privacy.per_example): per-example norms by torch.func (vmap of grad) "
+          "or by Opacus's GradSampleModule hooks, then one plain backward of the clipped loss, plus noise; auto = "
+          "what privacy.per_example=auto picks for the model; opacus = Opacus's own step (GradSampleModule + "
+          "DPOptimizer). max rel diff = the noiseless clipped mean gradient at clipping 0.5, ours (both ways) "
+          "against Opacus's grad samples with Opacus's factor C / (||g|| + 1e-6), over its largest entry.")
+    write_json(args.json, {"bench": "privacy", "threads": args.threads, "steps": args.steps, "results": results})
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("privacy", help="a DP-SGD step (torch.func, ours) against the plain step and Opacus's")
+    p.add_argument("--models", nargs="+", default=["mlp", "cnn1d"], choices=["mlp", "cnn1d"])
+    p.add_argument("--batches", type=int, nargs="+", default=[50, 200])
+    p.add_argument("--steps", type=int, default=50, help="timed steps of each kind")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(handler=bench_privacy)
