@@ -223,6 +223,11 @@ class TrainConfig(_Section):
         None, ge=1, description="each replica's own test evaluations use the first this many examples of the test "
         "split (null: all of it); the consensus model is always scored on the whole split. For populations, "
         "whose N replicas would each score the whole split")
+    group_size: int = Field(
+        1, ge=1, description="data-parallel groups: this many consecutive replicas average their gradients at every "
+        "step and hold one model trained on their shards; signatures, communities, partners, merges and consensus "
+        "act on groups (1: every replica is its own model). It must divide world_size; in a population a group lies "
+        "inside one process or spans whole processes")
     vectorize: Literal["off", "on", "auto"] = Field(
         "off", description="a population's replicas in one process trained as one stacked model (torch.func.vmap): "
         "equal to the sequential path within float tolerance, not bitwise; auto: where 2+ replicas share a process "
@@ -926,6 +931,38 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _groups(self):
+        """Data-parallel groups: what acts on one replica alone, or on every replica at every step, is refused."""
+        G = self.train.group_size
+        if G == 1:
+            return self
+        if self.world_size is not None and self.world_size % G:
+            raise ValueError(f"train.group_size={G} must divide world_size={self.world_size}")
+        why = None
+        if self.strategy in ("allreduce", "ifca", "oracle"):
+            why = {"allreduce": "strategy='allreduce' (every replica already averages gradients at every step)",
+                   "ifca": "strategy='ifca' (each replica picks a model by its own shard's loss)",
+                   "oracle": "strategy='oracle' (each replica trains its planted group's model)"}[self.strategy]
+        elif self.protocol == "async":
+            why = "protocol='async' (not built yet for groups: use the virtual clock)"
+        elif self.comm.fault_tolerance == "shrink":
+            why = "comm.fault_tolerance='shrink' (not built yet for groups: use abort and --resume)"
+        elif self.examples.track or self.examples.pass_hard:
+            why = "examples.track / examples.pass_hard (the example table is one replica's shard)"
+        else:
+            f = self.faults
+            named = [k for k, on in (("faults.nan_rank", f.nan_rank is not None),
+                                     ("faults.hostile_rank", f.hostile_rank is not None),
+                                     ("faults.stall_rank", f.stall_rank is not None), ("faults.speed", bool(f.speed)),
+                                     ("faults.kill", bool(f.kill)), ("faults.jitter", f.jitter > 0),
+                                     ("faults.slow_max", f.slow_max > 0)) if on]
+            if named:
+                why = f"{named[0]} (it acts on one replica, which its group would have to follow)"
+        if why is not None:
+            raise ValueError(f"train.group_size={G} is refused with {why}")
+        return self
+
+    @model_validator(mode="after")
     def _consensus_mode(self):
         mode = self.consensus.mode
         if mode != "global" and self.strategy != "community":
@@ -963,6 +1000,20 @@ class Config(_Section):
                               f"least as many ranks; world size is {world}")
         if self.strategy in ("community", "gossip", "ring") and world < 2:
             raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
+        G = self.train.group_size
+        if G > 1:
+            if world % G:
+                raise ConfigError(f"train.group_size={G} must divide the world size {world}")
+            groups = world // G
+            if self.strategy in ("community", "gossip", "ring") and groups < 2:
+                raise ConfigError(f"strategy={self.strategy!r} mixes groups: train.group_size={G} leaves {groups} "
+                                  f"group of a world of {world}")
+            if self.strategy == "community" and self.clustering.cut == "maxclust" and self.clustering.k.start > groups:
+                raise ConfigError(f"clustering.k.start={self.clustering.k.start} exceeds the {groups} groups of "
+                                  f"train.group_size={G}")
+            if self.consensus.mode != "global" and self.consensus.k is not None and self.consensus.k > groups:
+                raise ConfigError(f"consensus.k={self.consensus.k} communities need at least as many groups; "
+                                  f"train.group_size={G} makes {groups}")
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -568,6 +568,7 @@ class Summary:
     community_models: Optional[dict] = None  # the per-community (or IFCA) models delivered (models/communities.json)
     membership: Optional[dict] = None  # comm.fault_tolerance shrink: the survivors, the ranks lost, each recovery
     placement: Optional[dict] = None  # a population (world_size > MPI processes): processes, bytes by kind
+    groups: Optional[dict] = None  # train.group_size > 1: the groups, bytes inside them and between them
     privacy: Optional[dict] = None  # privacy.enabled: each replica's epsilon, the worst one, noise and sampling
     pbt: Optional[dict] = None  # pbt.enabled: each replica's final hyperparameters, and per community
     # a language model's run (LanguageModel.summary_fields): losses in nats per token, accuracies next-token ones
@@ -581,7 +582,7 @@ class Summary:
     mean_rank_bpb: Optional[float] = None
 
     OPTIONAL: ClassVar[Tuple[str, ...]] = ("examples", "view_agreement", "local_test", "consensus_mode",
-                                           "community_models", "membership", "placement", "privacy", "pbt",
+                                           "community_models", "membership", "placement", "groups", "privacy", "pbt",
                                            "task", "context", "bytes_per_token", "bits_per_byte_factor",
                                            "consensus_test_bpb", "rank_test_loss", "mean_rank_loss", "mean_rank_bpb")
 

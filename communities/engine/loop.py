@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from ..config import Config
@@ -33,6 +34,7 @@ from ..results import Summary, TimeCategory, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
 from ..runtime.comm import RankLost, World
+from ..runtime.groups import build_groups
 from ..workload import private
 from . import protocols
 from .faults import make_faults
@@ -80,17 +82,23 @@ class Engine:
         self.timer = Timer()
         self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
         self.agreement = RunningDigest()
-        self.replica = Replica.build(cfg, world, device, self.timer, self.faults)
+        # train.group_size > 1: the algorithm's parts see the groups (a group's lead speaks for it across groups);
+        # the replica's own (data, training, rows, checkpoints) keep the replica's world
+        self.groups = build_groups(world, cfg.train.group_size)
+        view = world if self.groups is None else self.groups
+        self.replica = Replica.build(cfg, world, device, self.timer, self.faults, groups=self.groups)
         self.rounds, self.mixer, self.consensus, collective_log = protocols.build(
-            cfg, world, self.timer, self.replica, self.agreement)
-        self.mode = CommunityMode(cfg, world, self.timer, replica=self.replica, strategy=self.mixer.strategy)
+            cfg, view, self.timer, self.replica, self.agreement)  # type: ignore[arg-type]
+        self.mode = CommunityMode(cfg, view, self.timer, replica=self.replica,  # type: ignore[arg-type]
+                                  strategy=self.mixer.strategy)
         self.mixer.probe = self.mode.probe
         self.snapshots = RoundSnapshots(world, Path(run_dir)) if cfg.output.round_snapshots else None
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
                                     device, self.replica.flat.numel())
         self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log,
-                          lm=language_model(self.replica.data.dataset))
+                          lm=language_model(self.replica.data.dataset),
+                          logs_merges=self.groups is None or self.groups.leads_group)
         text = self.replica.data.dataset.text
         self.progress = Progress(cfg.name, cfg.train.budget, progress and world.leads,
                                  bytes_per_token=None if text is None else text.bytes_per_token)
@@ -293,7 +301,7 @@ class Engine:
         at_round = self.rounds.index - 1 if self.rounds.due(self.t) and self.rounds.index > 0 else None
         with self.world.monitoring():  # forming and scoring the delivered models: not training traffic
             delivery = Delivery(cfg, self.world, self.timer, replica=replica, mode=self.mode,
-                                strategy=self.mixer.strategy)
+                                strategy=self.mixer.strategy, group_size=cfg.train.group_size)
             local_test, community_models, files = delivery.deliver(mean, self.t, at_round)
         run = {"name": cfg.name, "strategy": cfg.strategy, "world_size": self.world.size,
                "n_params": int(replica.flat.numel()), "units": self.t, "rounds": self.rounds.index,
@@ -315,9 +323,10 @@ class Engine:
                   "sample_rate": replica.dp.sample_rate, "dp_steps": replica.dp_steps,
                   "planned_epsilon": replica.dp.planned_epsilon}
         com = self.mixer.strategy.communities
+        labels = None if com is None else np.repeat(com.labels, cfg.train.group_size)  # (a group's, per replica)
         summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views, dp,
-                                  None if replica.hyper is None else replica.hyper.values,
-                                  None if com is None else com.labels, test_loss=replica.test_loss)
+                                  None if replica.hyper is None else replica.hyper.values, labels,
+                                  test_loss=replica.test_loss)
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary

@@ -250,8 +250,9 @@ class RunView:
     label: str
     name: str
     strategy: str
-    n: int
+    n: int  # the ranks the algorithm sees: replicas, or data-parallel groups (train.group_size > 1)
     groups: Optional[np.ndarray]
+    group_size: int = 1  # train.group_size: replicas per rank of ``n`` (metrics: each group's lead's rows)
     infos: List[dict] = field(default_factory=list)
     round_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
     round_t: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
@@ -336,16 +337,25 @@ def _open_view(path: Path) -> RunView:
         n = int(run.meta["world_size"])
         if n < 1:
             raise ValueError(f"world_size {n} < 1")
+    with _reading(path / "config.yaml"):
+        size = int((run.config.get("train") or {}).get("group_size") or 1)
+        if size < 1 or n % size:
+            raise ValueError(f"train.group_size {size} does not divide world_size {n}")
     groups = None
     with _reading(path / "partition.json"):
         if run.partition.get("groups") is not None:
             groups = np.asarray(run.partition["groups"], dtype=np.int64)
             if groups.shape != (n,):
                 raise ValueError(f"'groups' has {groups.size} entries for {n} ranks")
+            groups = groups[::size]  # a data-parallel group's planted group: its lead's
     summary = run.summary or {}
     name = str(summary.get("name") or run.config.get("name") or path.name)
     strategy = str(run.meta.get("strategy") or run.config.get("strategy") or summary.get("strategy") or "?")
-    view = RunView(run=run, label=f"{name} ({strategy})", name=name, strategy=strategy, n=n, groups=groups)
+    view = RunView(run=run, label=f"{name} ({strategy})", name=name, strategy=strategy, n=n // size, groups=groups,
+                   group_size=size)
+    if size > 1:
+        view.notes.append(f"train.group_size={size}: each rank here is a data-parallel group of {size} replicas "
+                          f"({n // size} groups of world_size={n}); per-rank curves are each group's lead's")
     with _reading(path / "summary.json"):
         view.lm = LanguageModel.of_run(run.summary, run.partition, run.config)
     view.status = run_status(path, run.meta, view.notes)
@@ -442,10 +452,11 @@ def _read_metrics(view: RunView) -> None:
     """metrics.jsonl as N x T tables of test accuracy and cumulative bytes sent."""
     n = view.n
     with _reading(view.path / "metrics.jsonl"):
-        rows = [r for r in read_jsonl(view.path / "metrics.jsonl") if int(r["rank"]) >= 0]
+        G = view.group_size  # (groups: each group's lead's rows, the group as a rank)
+        rows = [r for r in read_jsonl(view.path / "metrics.jsonl") if int(r["rank"]) >= 0 and int(r["rank"]) % G == 0]
         if rows:
             t = np.fromiter((int(r["t"]) for r in rows), dtype=np.int64, count=len(rows))
-            rank = np.fromiter((int(r["rank"]) for r in rows), dtype=np.int64, count=len(rows))
+            rank = np.fromiter((int(r["rank"]) // G for r in rows), dtype=np.int64, count=len(rows))
             if rank.max() >= n:
                 raise ValueError(f"rank {int(rank.max())} outside world size {n}")
             acc = np.fromiter((_num(r.get("test_acc")) for r in rows), dtype=float, count=len(rows))

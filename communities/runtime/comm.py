@@ -273,6 +273,12 @@ class World(PointToPoint):
             t.div_(max(counted, 1))
             return counted
 
+    def intra_group(self, layout):
+        """This rank's data-parallel group (``runtime/groups.py``): a ``Comm.Split`` of the world by group."""
+        from .groups import SubcommGroup
+
+        return SubcommGroup(self, layout)
+
     def barrier(self, what: str = "Barrier") -> None:
         with self.collective(what):
             self.comm.Barrier()
@@ -302,6 +308,35 @@ class Subgroup:
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         w.bytes_sent += w._ring(t.numel() * t.element_size(), self.size)
         return t
+
+    def allreduce_array(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Elementwise sum, max or min over this group of a float64 array (a copy); control traffic."""
+        w, MPI = self.world, self.world.MPI
+        buf = np.array(values, dtype=np.float64, copy=True)
+        with w.watchdog.waiting(f"Allreduce of {buf.size} values inside a group of {self.size} ranks"):
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+        w.bytes_control += w._ring(buf.nbytes, self.size)
+        return buf
+
+    def bcast_(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        """A contiguous tensor from this group's rank ``root`` to the others (training traffic of the root)."""
+        w = self.world
+        with w.staging.buffer(t, "bcast", send=self.rank == root) as buf, \
+                w.watchdog.waiting(f"Bcast inside a group of {self.size} ranks from its rank {root}"):
+            self.comm.Bcast(buf, root=root)
+        if self.rank == root:
+            w.bytes_sent += t.numel() * t.element_size() * (self.size - 1)
+        return t
+
+    def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int) -> np.ndarray:
+        """A small array from this group's rank ``root`` to the others."""
+        w = self.world
+        buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
+        with w.watchdog.waiting(f"Bcast of {buf.nbytes} bytes inside a group of {self.size} ranks"):
+            self.comm.Bcast(buf, root=root)
+        if self.rank == root:
+            w.bytes_sent += buf.nbytes * (self.size - 1)
+        return buf
 
     def free(self) -> None:
         if self.comm is not None:

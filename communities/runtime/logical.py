@@ -64,6 +64,10 @@ class LogicalRanks(Traffic):
         """A collective's root: ``root``, or the lead when None."""
         return self.membership.lead if root is None else int(root)
 
+    def of_ranks(self, per_rank: np.ndarray) -> np.ndarray:
+        """A per-replica array as this view's ranks see it: itself (``groups.GroupWorld`` keeps each group's lead's)."""
+        return per_rank
+
     def hostnames(self) -> List[str]:
         """Every rank's host name."""
         return self.allgather_text(socket.gethostname(), width=64)

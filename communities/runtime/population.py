@@ -34,8 +34,10 @@ from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optiona
 import numpy as np
 import torch
 
+from ..core.groups import GroupLayout
 from ..core.placement import Placement, tree_sum
 from ..errors import ConfigError, Disagreement
+from .hub_groups import GroupCalls, GroupOp, HubGroup, color_means
 from .logical import LogicalRanks
 from .membership import Membership
 from .ulfm import RankLost
@@ -53,6 +55,11 @@ def refusal(cfg, processes: int) -> Optional[str]:
         Placement(n, processes)
     except ValueError as exc:  # P does not divide N: the message names both
         return str(exc)
+    G = cfg.train.group_size
+    if G > 1 and n % G == 0:
+        problem = GroupLayout(n, G).placement_problem(processes)
+        if problem is not None:
+            return problem
     why = []
     if cfg.protocol == "async":
         why.append("protocol=async (its replicas serve each other between batches: one replica per process)")
@@ -102,6 +109,7 @@ class Hub:
         self.world = world  # the process's own World (real MPI between processes)
         self.placement = Placement(replicas, world.size)
         self.block = self.placement.block(world.rank)
+        self.block_set = frozenset(self.block)
         b = self.placement.per_process
         if b * b * TAG_KINDS > world.tag_limit:
             raise ConfigError(f"world_size={replicas} on {world.size} processes puts {b} replicas in each, more "
@@ -115,6 +123,7 @@ class Hub:
         self._p2p: Dict[int, Exchange] = {}  # waiting for a partner in this process
         self._network: Dict[int, Exchange] = {}  # in flight between processes
         self._collective: Dict[int, Collective] = {}
+        self.groups: Optional[GroupCalls] = None  # train.group_size > 1: the calls inside groups (hub_groups.py)
         self._worlds: Dict[int, "ReplicaWorld"] = {}
         self.membership = Membership(replicas)  # the replicas alive: a lost process takes its block with it
         self.epoch = 0  # recoveries so far (``shared`` keys: the exchange list of unit t depends on who is alive)
@@ -175,6 +184,7 @@ class Hub:
             except Exception:  # a request of the revoked communicator: gone with it either way
                 pass
         self._p2p, self._network, self._collective = {}, {}, {}
+        self.groups = self.groups and self.groups.cleared()
         return deque((r, _Throw(exc)) for r in self.block if r not in results)
 
     def _resume(self, r: int, value: Any) -> Any:
@@ -193,6 +203,7 @@ class Hub:
     def _describe(self, results: Dict[int, Any]) -> str:
         parts = [f"replica {r} in {c.what}" for r, c in sorted(self._collective.items())]
         parts += [f"replica {r} in a Sendrecv with replica {x.peer}" for r, x in sorted(self._p2p.items())]
+        parts += self.groups.describe() if self.groups is not None else []
         parts += [f"replica {r} finished" for r in sorted(results)]
         return "; ".join(parts)
 
@@ -202,6 +213,9 @@ class Hub:
         if isinstance(op, Collective):
             self._collective[r] = op
             return []
+        if isinstance(op, GroupOp):
+            assert self.groups is not None  # (set up by ``intra_group``, a collective before any group call)
+            return self.groups.post(r, op)
         if not isinstance(op, Exchange):
             raise TypeError(f"replica {r} handed the hub {op!r}")
         if not self.placement.same_process(r, op.peer):
@@ -346,26 +360,8 @@ class Hub:
         return out
 
     def _c_group_mean(self, ops: List[Collective]) -> List[Any]:
-        """Each replica's tensor becomes the mean over the replicas of its color (of those that count)."""
-        colors = self.world.allgather(np.array([op.value[1] for op in ops], dtype=np.int64)).reshape(-1)
-        palette = np.unique(colors)
-        tensors = [op.value[0] for op in ops]
-        sums = torch.zeros((len(palette),) + tuple(tensors[0].shape), dtype=tensors[0].dtype)
-        counted = np.zeros(len(palette))
-        for c, color in enumerate(palette):
-            members = [(t if op.value[2] else torch.zeros_like(t)) for t, op in zip(tensors, ops)
-                       if op.value[1] == color]
-            if members:
-                sums[c].copy_(tree_sum(members))
-                counted[c] = sum(1 for op in ops if op.value[1] == color and op.value[2])
-        self.world.allreduce_sum_(sums.view(-1))
-        counted = self.world.allreduce_array(counted)
-        out = []
-        for t, op in zip(tensors, ops):
-            c = int(np.searchsorted(palette, op.value[1]))
-            t.copy_(sums[c]).div_(max(int(counted[c]), 1))
-            out.append(int(counted[c]))
-        return out
+        """Each replica's tensor becomes the mean over the replicas of its color (``hub_groups.color_means``)."""
+        return color_means(self.world, ops)
 
     def _c_together(self, ops: List[Collective]) -> List[Any]:
         """Work the replicas of the process do as one (no MPI): ``compute(items)``, one result per replica."""
@@ -374,6 +370,11 @@ class Hub:
         if len(out) != len(ops):
             raise RuntimeError(f"{ops[0].what}: {len(out)} results for {len(ops)} replicas")
         return out
+
+    def _c_groups(self, ops: List[Collective]) -> List[Any]:
+        """The run's data-parallel groups, set up once for the process (``GroupCalls.set_up``)."""
+        self.groups = self.groups or GroupCalls.set_up(self, ops[0].value)
+        return [None] * len(ops)
 
     def _c_barrier(self, ops: List[Collective]) -> List[Any]:
         self.world.barrier(ops[0].what)
@@ -583,6 +584,11 @@ class ReplicaWorld(LogicalRanks):
 
     def split(self, color: int):
         raise NotImplementedError("a population has no communicator per color: use group_mean_")
+
+    def intra_group(self, layout: GroupLayout) -> "HubGroup":
+        """This replica's data-parallel group, completed by the hub (a collective: every replica calls it)."""
+        self.hub.wait(Collective("groups", "set-up of the data-parallel groups", layout))
+        return HubGroup(self, layout)
 
     def barrier(self, what: str = "Barrier") -> None:
         self.hub.wait(Collective("barrier", what))

@@ -4,7 +4,10 @@
 kept apart so that they never inflate it: ``monitoring`` (consensus-model evaluations), ``data`` (training
 examples passed between partners) and ``control`` (collectives that only coordinate the ranks: set-up
 broadcasts, stop votes and flags, counts, log gathers). ``in_process`` is the part of ``bytes_sent`` that two
-replicas of one process swapped in memory (a population: ``population.py``); the rest crossed MPI. Counts
+replicas of one process swapped in memory (a population: ``population.py``); the rest crossed MPI.
+``in_group`` is the part of ``bytes_sent`` that stayed inside a data-parallel group (``train.group_size``: every
+step's gradient average, a lead's copies to its members): the fast link's share; what is left crossed between
+groups, the traffic the method saves. Counts
 follow a simple model of each call (what one rank puts on the wire), the same on every MPI library.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Iterator
 class Traffic:
     """The byte counters of one rank."""
 
-    COUNTERS = ("bytes_sent", "bytes_monitoring", "bytes_data", "bytes_control", "bytes_in_process")
+    COUNTERS = ("bytes_sent", "bytes_monitoring", "bytes_data", "bytes_control", "bytes_in_process", "bytes_in_group")
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -24,16 +27,27 @@ class Traffic:
         self.bytes_data = 0
         self.bytes_control = 0
         self.bytes_in_process = 0  # the part of bytes_sent that a population's replicas swapped inside one process
+        self.bytes_in_group = 0  # the part of bytes_sent that stayed inside a data-parallel group
 
     @contextlib.contextmanager
     def metered(self, kind: str) -> Iterator[None]:
         """Count the bytes sent inside the block in ``bytes_<kind>`` (monitoring, data), not ``bytes_sent``."""
-        before, inside = self.bytes_sent, self.bytes_in_process
+        before, inside, grouped = self.bytes_sent, self.bytes_in_process, self.bytes_in_group
         try:
             yield
         finally:
             setattr(self, f"bytes_{kind}", getattr(self, f"bytes_{kind}") + self.bytes_sent - before)
-            self.bytes_sent, self.bytes_in_process = before, inside
+            self.bytes_sent, self.bytes_in_process, self.bytes_in_group = before, inside, grouped
+
+    @contextlib.contextmanager
+    def inside_group(self) -> Iterator[None]:
+        """The training bytes sent inside the block stayed inside this replica's data-parallel group: they count in
+        ``bytes_sent`` as always, and in ``bytes_in_group`` too."""
+        before = self.bytes_sent
+        try:
+            yield
+        finally:
+            self.bytes_in_group += self.bytes_sent - before
 
     def monitoring(self):
         """Bytes sent inside the block only measure (consensus-model evaluations): not training traffic."""

@@ -173,7 +173,7 @@ def test_shared_work_is_computed_again_after_a_loss(world):
 
 def _cfg(**kw):
     base = dict(world_size=8, protocol="virtual_clock", device="cpu",
-                comm=types.SimpleNamespace(fault_tolerance="abort"),
+                comm=types.SimpleNamespace(fault_tolerance="abort"), train=types.SimpleNamespace(group_size=1),
                 faults=types.SimpleNamespace(kill=[], speed=[], stall_rank=None))
     base.update(kw)
     return types.SimpleNamespace(**base)

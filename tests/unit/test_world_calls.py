@@ -45,12 +45,18 @@ def test_byte_counters_checkpoint_by_kind_and_an_older_checkpoint_loads():
     w.bytes_sent, w.bytes_control = 10, 7
     state = w.state_dict()
     assert state == {"bytes_sent": 10, "bytes_monitoring": 0, "bytes_data": 0, "bytes_control": 7,
-                     "bytes_in_process": 0}
+                     "bytes_in_process": 0, "bytes_in_group": 0}
     w.load_state_dict({"bytes_sent": 3, "bytes_monitoring": 2, "bytes_data": 1})  # before bytes_control was kept
     assert (w.bytes_sent, w.bytes_monitoring, w.bytes_data, w.bytes_control) == (3, 2, 1, 0)
     with w.metered("data"):
         w.bytes_sent += 5
     assert (w.bytes_sent, w.bytes_data) == (3, 6)
+    with w.inside_group():  # training bytes that stayed in a data-parallel group: counted twice over, by kind
+        w.bytes_sent += 4
+    assert (w.bytes_sent, w.bytes_in_group) == (7, 4)
+    with w.metered("monitoring"), w.inside_group():  # metered: neither counter keeps it
+        w.bytes_sent += 9
+    assert (w.bytes_sent, w.bytes_in_group, w.bytes_monitoring) == (7, 4, 11)
     w.close()
 
 

@@ -189,11 +189,12 @@ class Mixer:
     def _header(self, t: int, moments: List[torch.Tensor]) -> Header:
         """This side's header; under pbt with its score (the loss on its own held-out data, before the merge)."""
         r = self.replica
-        base = (r.samples, r.told_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
+        base = (r.told_samples, r.told_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
         if r.hyper is None:
             return Header(*base)
         with self.timer("eval"):
             _, score = r.evaluate_local()
+            score = r.group_mean(score)  # a group's score: its members' mean (the same header on every member)
         return Header(*base, score=score, ready=r.hyper.ready(t), hyper=tuple(float(v) for v in r.hyper.values))
 
     def _merge_optimizer_state(self, a: float, moments: List[torch.Tensor], got: Received) -> None:

@@ -45,8 +45,9 @@ class MergeProbe:
     (``labels``). The sums since the last round go to the round's allgather.
     """
 
-    def __init__(self, replica: Replica, strategy: Strategy):
-        self.replica, self.strategy, self.rank = replica, strategy, replica.rank
+    def __init__(self, replica: Replica, strategy: Strategy, *, rank: int, group_size: int = 1):
+        # ``rank``: this rank as the strategy counts (its group, with train.group_size > 1)
+        self.replica, self.strategy, self.rank = replica, strategy, rank
         held = replica.data
         y = held.dataset.y_train
         n_classes = held.dataset.n_classes
@@ -54,6 +55,8 @@ class MergeProbe:
         if not held.dataset.sequence:
             counts = np.array(held.label_counts) if held.label_counts is not None else \
                 np.array([np.bincount(y[s.indices], minlength=n_classes) for s in held.shards])  # (a sharded reader's)
+            if group_size > 1:  # a group knows what any of its members' shards hold
+                counts = counts.reshape(-1, group_size, counts.shape[1]).sum(axis=1)
             self.known = torch.as_tensor(conflict.known_classes(counts))  # (N, C)
         self.labels: Optional[np.ndarray] = None  # the candidate communities (set by CommunityMode)
         self.row = conflict.empty()
@@ -100,13 +103,15 @@ class CommunityMode:
 
     def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, strategy: Strategy):
         self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
+        self.group = replica.group  # train.group_size > 1: a group's evidence is its members' together
         self.mode = cfg.consensus.mode
         self.candidate: Optional[np.ndarray] = None  # the communities weighed (auto) or frozen (communities)
         self.frozen_round: Optional[int] = None
         self.frozen_t: Optional[int] = None
         self.totals = np.zeros((world.size, conflict.WIDTH))  # auto: every rank's evidence since the first round
         self.verdict: Optional[dict] = None
-        self.probe = MergeProbe(replica, strategy) if self.mode == "auto" else None
+        self.probe = MergeProbe(replica, strategy, rank=world.rank, group_size=cfg.train.group_size) \
+            if self.mode == "auto" else None
 
     @property
     def frozen(self) -> Optional[np.ndarray]:
@@ -143,7 +148,10 @@ class CommunityMode:
         cc = self.cfg.consensus
         assert self.probe is not None  # (auto)
         with self.timer(TimeCategory.IDLE):
-            rows = self.world.allgather(self.probe.take())
+            row = self.probe.take()
+            if self.group is not None:  # every member scored the group's merges on its own validation data
+                row = self.group.sum(row)
+            rows = self.world.allgather(row)
         self.totals += rows
         verdict = conflict.decide(self.totals, cc.auto_harm, cc.auto_min_merges)
         self.verdict = {"round": rnd.index, "t": rnd.t, **verdict.to_dict()}

@@ -90,9 +90,10 @@ class Consensus:
             mean = self.model()  # the same bits on every rank: scored once per process (a population)
             acc, loss = self.world.shared(("consensus evaluation", t), lambda: self.replica.evaluate(mean))
             row = {"t": t, "test_acc": acc, "test_loss": loss}
-            if self.replica.has_local_test:
+            if self.replica.has_local_test:  # every replica's own local data (with groups too: the replica's world)
                 local_acc, _ = self.replica.evaluate_local(mean)
-                row["local_acc"] = self.world.allreduce_scalar(local_acc) / self.world.n_alive
+                own = self.replica.world
+                row["local_acc"] = own.allreduce_scalar(local_acc) / own.n_alive
         return row
 
     def model(self) -> torch.Tensor:

@@ -52,9 +52,13 @@ def _mean(values) -> Optional[float]:
 class Delivery:
     """The end of a run on one rank: form the delivered models, score them, gather the figures to rank 0."""
 
-    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, mode: CommunityMode, strategy):
+    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, mode: CommunityMode, strategy,
+                 group_size: int = 1):
+        # ``world``: the replica's own (each replica delivers and scores on its own local data); the communities are
+        # over groups of ``group_size`` (train.group_size), each replica in its group's
         self.cfg, self.world, self.timer, self.replica, self.mode, self.strategy = \
             cfg, world, timer, replica, mode, strategy
+        self.group_size = group_size
 
     @property
     def kind(self) -> str:
@@ -106,12 +110,13 @@ class Delivery:
         """(this rank's group, its model, on rank 0 every group's model by id) for frozen communities or IFCA."""
         r, world = self.replica, self.world
         if self.mode.frozen is not None:
-            label = int(self.mode.frozen[world.rank])
+            frozen = np.repeat(self.mode.frozen, self.group_size)  # each replica's community (its group's)
+            label = int(frozen[world.rank])
             model = r.flat.to(torch.float64)
             world.group_mean_(model, label, counts=r.keep)  # a diverged member does not count
             model = model.to(r.flat.dtype)
             # each community's lowest rank sends its model to rank 0 (float64 rows: float32 round-trips exactly)
-            leader = int(np.flatnonzero(self.mode.frozen == label)[0]) == world.rank
+            leader = int(np.flatnonzero(frozen == label)[0]) == world.rank
             block = model.detach().cpu().double().reshape(1, -1) if leader else np.zeros((0, model.numel()))
             got = world.gather_rows(np.asarray(block))
             models_out: Optional[Dict[int, torch.Tensor]] = None
@@ -119,7 +124,7 @@ class Delivery:
                 models_out = {}
                 for rank, b in enumerate(got):
                     if b.size:
-                        models_out[int(self.mode.frozen[rank])] = torch.from_numpy(b[0]).to(r.flat.dtype)
+                        models_out[int(frozen[rank])] = torch.from_numpy(b[0]).to(r.flat.dtype)
             return label, model, models_out
         if isinstance(self.strategy, IFCA):
             pick = self.strategy.choose(r)  # the shared model with the lowest loss on this rank's shard

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
-                "bytes_in_process", "test_loss") + TIME_CATEGORIES
+                "bytes_in_process", "test_loss", "bytes_in_group") + TIME_CATEGORIES
 LOG_FILES = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl", "views.jsonl")
 DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_epsilon")  # privacy.enabled
 
@@ -61,8 +61,10 @@ class RunLog:
     """One rank's log buffer; on rank 0 also the writer of the run directory."""
 
     def __init__(self, cfg: Config, world: World, timer: Timer, *, writer: Optional[RunWriter],
-                 collective: bool = True, lm: Optional[LanguageModel] = None):
+                 collective: bool = True, lm: Optional[LanguageModel] = None, logs_merges: bool = True):
         self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
+        # train.group_size > 1: a merge is its group's; its lead logs it, the members hold the same rows
+        self.logs_merges = logs_merges
         self.lm = lm  # a language model's run: its rows and summary also speak bits per byte
         self.collective = collective  # rows may be gathered at every round (false: only at a stop and the end)
         self.rank = world.rank
@@ -84,7 +86,8 @@ class RunLog:
             self.hyper_rows.append(np.asarray(hyper, dtype=np.float64).reshape(len(self.hyper_names)))
 
     def merges(self, rows: List[MergeRow]) -> List[MergeRow]:
-        self.merge_rows.extend(rows)
+        if self.logs_merges:
+            self.merge_rows.extend(rows)
         return rows
 
     def consensus(self, row: Optional[dict]) -> None:
@@ -239,7 +242,8 @@ class RunLog:
         w = self.world
         mine = {"test_acc": test_acc, "test_loss": test_loss, "distance": distance, "bytes_sent": w.bytes_sent,
                 "wall": self.timer.elapsed(), "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data,
-                "units": run["units"], "bytes_in_process": w.bytes_in_process, **self.timer.split()}
+                "units": run["units"], "bytes_in_process": w.bytes_in_process, "bytes_in_group": w.bytes_in_group,
+                **self.timer.split()}
         mine.update({f: (dp or {}).get(f, float("nan")) for f in DP_FIELDS})
         row = np.array([[mine[f] for f in FINAL_FIELDS + DP_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
@@ -273,6 +277,7 @@ class RunLog:
             protocol=self.cfg.protocol,
             view_agreement=self._views(view_rows) if view_rows is not None else None,
             placement=placement_summary(w.processes, w.size, g),
+            groups=group_summary(self.cfg.train.group_size, g),
             privacy=self._privacy_summary(g) if dp is not None else None,
             pbt=(pbt.summary(self.hyper_names, np.concatenate(hyper_rows), labels)
                  if hyper_rows is not None else None),
@@ -449,6 +454,19 @@ def lm_lines(s: Summary, lm: LanguageModel, on: str = "") -> List[str]:
     return [f"consensus test loss      {_loss(s.consensus_test_loss, lm)}; next-token accuracy "
             f"{s.consensus_test_acc:.4f}{on}",
             f"rank test loss           {ranks}; next-token accuracy mean {s.mean_rank_acc:.4f}"]
+
+
+def group_summary(size: int, g: Dict[str, np.ndarray]) -> Optional[dict]:
+    """Data-parallel groups (train.group_size > 1): bytes inside groups (every step's gradient average, the leads'
+    copies to their members) against bytes between groups (what the method sends: merges, signatures, averages)."""
+    if size <= 1:
+        return None
+    inside = g["bytes_in_group"]
+    between = g["bytes_sent"] - inside
+    per_group = between.reshape(-1, size).sum(axis=1)
+    return {"size": size, "groups": len(per_group), "bytes_in_group_mean": float(inside.mean()),
+            "bytes_between_groups_mean": float(between.mean()),
+            "bytes_between_groups_per_group_mean": float(per_group.mean())}
 
 
 def placement_summary(processes: int, replicas: int, g: Dict[str, np.ndarray]) -> Optional[dict]:

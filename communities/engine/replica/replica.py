@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
 
@@ -26,15 +25,17 @@ from ...runtime.collective import on_every_rank
 from ...runtime.comm import World
 from ...workload import models, train, vectorized
 from ...workload.private import DPPlan, PrivateGradient, check_model, plan, require_opacus
-from ...workload.vectorized import StackedTrainer
 from ..faults import NoFaults
 from ..timer import Timer
+from . import stacked
 from .data import ReplicaData, load_replica_data
 from .examples import ExampleTracker
+from .group import GroupMember
 from .hyper import Hyperparameters
 
 if TYPE_CHECKING:
     from ...config import Config
+    from ...runtime.groups import GroupWorld
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,13 @@ class Replica:
     private: Optional[PrivateGradient]  # privacy.enabled: DP-SGD's clipped, noised gradients
     dp: Optional[DPPlan]  # privacy.enabled: the sampling rate and noise this replica's accounting uses
     dp_steps: int  # DP-SGD steps taken so far (the accountant's step count)
-    hyper: Optional[Hyperparameters]  # pbt.enabled: the hyperparameters this replica owns
+    hyper: Optional[Hyperparameters]  # pbt.enabled: the hyperparameters this replica owns (its group's)
+    group: Optional[GroupMember]  # train.group_size > 1: this replica in its data-parallel group
 
     def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
-                 tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional[DPPlan] = None):
+                 tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional[DPPlan] = None,
+                 groups: Optional["GroupWorld"] = None):
         self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
         self.rank, self.data, self.tracker, self.vectorized = world.rank, placed, tracker, vectorized
         self.model, self.flat, self.n_params = model, flat, n_params
@@ -82,7 +85,11 @@ class Replica:
         self.diverged = self.outlier = False
         self.outer, self.anchor = None, None
         self.dp, self.dp_steps, self.private = dp, 0, None
-        self.hyper = Hyperparameters(cfg, self.rank, world.size) if cfg.pbt.enabled else None  # pbt: this replica's own
+        self.group = None if groups is None else GroupMember(
+            groups, shard_sizes=[s.indices.size for s in placed.shards], train_cfg=cfg.train, timer=timer)
+        # pbt: this replica's own values (a group's members hold their group's)
+        owner, owners = (self.group.owner, self.group.owners) if self.group is not None else (self.rank, world.size)
+        self.hyper = Hyperparameters(cfg, owner, owners) if cfg.pbt.enabled else None
         if self.hyper is not None:
             self.hyper.apply(self.opt)
         if dp is not None:
@@ -93,8 +100,20 @@ class Replica:
 
     @property
     def told_loss(self) -> float:
-        """The training loss partners are told (merge.rule loss); none under privacy, where it is not noised."""
-        return self.recent_loss if self.dp is None else float("nan")
+        """The training loss partners are told (merge.rule loss; a group's: its members' mean); none under privacy,
+        where it is not noised."""
+        if self.dp is not None:
+            return float("nan")
+        return self.group.loss if self.group is not None else self.recent_loss
+
+    @property
+    def told_samples(self) -> int:
+        """The samples partners are told (merge.rule clock): this replica's, or its group's in all."""
+        return self.group.samples if self.group is not None else self.samples
+
+    def group_mean(self, value: float) -> float:
+        """The mean of ``value`` over this replica's group (itself without groups): what a group tells partners."""
+        return value if self.group is None else self.group.mean(value)
 
     @property
     def epsilon(self) -> float:
@@ -104,8 +123,10 @@ class Replica:
         return privacy.epsilon(self.dp.noise_multiplier, self.dp.sample_rate, self.dp_steps, self.cfg.privacy.delta)
 
     @classmethod
-    def build(cls, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults) -> "Replica":
-        """Load and place the data, build the model and share rank 0's initial weights."""
+    def build(cls, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults,
+              groups: Optional["GroupWorld"] = None) -> "Replica":
+        """Load and place the data, build the model and share rank 0's initial weights (with groups of
+        ``train.group_size``, a group's own initial weights among its members)."""
         placed = load_replica_data(cfg, world, device)
         tracker, model, flat, n_params = on_every_rank(world, lambda: _build_model(cfg, world, device, placed))
         shapes = models.shape_signature(model)
@@ -113,13 +134,15 @@ class Replica:
                     f"model parameter shapes and dtypes (this rank: {len(flat)} values)")
         if cfg.model.init == "shared":
             world.bcast_(flat)
+        elif groups is not None:  # a group is one model: its lead's initial weights
+            groups.intra.bcast_(flat, groups.lead_member)  # (GroupMember.share_initial, before the replica exists)
         vectorized = on_every_rank(world, lambda: _stacked(cfg, world, model, placed))
         dp = on_every_rank(world, lambda: _dp_plan(cfg, model, placed))
         if dp is not None and world.leads:
             _announce(cfg, dp)
         torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
         return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,
-                   n_params=n_params, tracker=tracker, vectorized=vectorized, dp=dp)
+                   n_params=n_params, tracker=tracker, vectorized=vectorized, dp=dp, groups=groups)
 
     def adopt(self, ranks: List[int]) -> None:
         """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""
@@ -142,8 +165,10 @@ class Replica:
         ``between_batches`` (the asynchronous mixer's serving) runs after every batch.
         """
         cfg = self.cfg
+        if self.group is not None:  # a data-parallel group: its own average at every step, as many steps each
+            grad_sync, steps = self.group.gradients(self.model), self.group.steps if steps is None else steps
         if self.vectorized:
-            res = self._train_stacked(t, steps)
+            res = stacked.train_together(self, t, steps)
         with self.timer("train"):
             if not self.vectorized:
                 x, y, rows = self.data.x, self.data.y, None
@@ -167,6 +192,9 @@ class Replica:
             diverged = robust.is_diverged(weight_sum, res.loss, self.first_loss, cfg.robust.loss_factor)
         else:  # the flag travels to partners, so under privacy it reads the weights only: the loss is not noised
             diverged = not math.isfinite(weight_sum)
+        if self.group is not None:  # the group's figures; its members take their lead's buffers
+            buffers = self.flat[self.n_params:] if self.n_params < self.flat.numel() else None
+            diverged = self.group.unit_end(res.samples, res.loss, diverged, buffers)
         if not self.diverged and diverged:
             self.diverged = True
             log.warning(f"communities: rank {self.rank} diverged at t={t} (loss {res.loss:.4g}); it will not be "
@@ -178,7 +206,7 @@ class Replica:
         if t % cfg.train.eval_every == 0 or t == cfg.train.budget:
             m = cfg.train.eval_samples  # (None: the whole split)
             if self.vectorized:
-                test_acc, test_loss = self._evaluate_stacked(t, m)
+                test_acc, test_loss = stacked.evaluate_together(self, t, m)
             with self.timer("eval"):
                 if not self.vectorized:
                     test_acc, test_loss = train.evaluate(self.model, self.data.x_test[:m], self.data.y_test[:m])
@@ -190,41 +218,6 @@ class Replica:
             loss = acc = float("nan")  # not noised: kept on this replica (privacy.report_train_loss)
         return MetricRow(t, loss, acc, test_acc, test_loss, self.samples, self.world.bytes_sent,
                          self.timer.elapsed(), local_acc, local_loss, self.epsilon)
-
-    def _train_stacked(self, t: int, steps: Optional[int]) -> train.UnitResult:
-        """Unit t trained together with the process's other replicas, as one stacked model (train.vectorize).
-
-        The step is waited for as idle; each replica's share of its seconds is then counted as training."""
-        cfg = self.cfg
-        member = vectorized.Member(self.model, self.opt, self.flat, self.data.x, self.data.y, self.rank)
-
-        def step(members: List[vectorized.Member]) -> list:
-            return vectorized.train_members(self._stacked_trainer(len(members)), members, cfg.seed, t, steps)
-
-        with self.timer("idle"):
-            res, seconds = self.world.together(("train", t), member, step)
-        self.timer.reassign(seconds, "idle", "train")
-        return res
-
-    def _stacked_trainer(self, count: int) -> StackedTrainer:
-        """The process's stacked model for ``count`` replicas (built once, by the first replica that asks)."""
-        return self.world.shared(("stacked trainer", count), lambda: StackedTrainer(
-            self.model, torch.zeros((count, self.n_params), dtype=self.flat.dtype), self.cfg.train,
-            name=self.cfg.model.name))
-
-    def _evaluate_stacked(self, t: int, m: Optional[int]) -> Tuple[float, float]:
-        """This replica's (accuracy, loss) on the shared test split, scored with the process's other replicas as
-        one stacked model (train.vectorize); its share of the seconds is counted as evaluation."""
-        def score(flats: List[torch.Tensor]) -> list:
-            start = time.perf_counter()
-            res = self._stacked_trainer(len(flats)).evaluate(flats, self.data.x_test[:m], self.data.y_test[:m])
-            share = (time.perf_counter() - start) / max(len(flats), 1)
-            return [(r, share) for r in res]
-
-        with self.timer("idle"):
-            res, seconds = self.world.together(("eval", t), self.flat, score)
-        self.timer.reassign(seconds, "idle", "eval")
-        return res
 
     def evaluate(self, flat: Optional[torch.Tensor] = None) -> Tuple[float, float]:
         """(accuracy, loss) on the shared test split, of these weights (default: this rank's own)."""
@@ -305,6 +298,7 @@ class Replica:
             "outlier": self.outlier, "dp_steps": self.dp_steps,
             "pbt": None if self.hyper is None else self.hyper.state_dict(),
             "examples": None if self.tracker is None else self.tracker.state_dict(),
+            **({} if self.group is None else {"group": self.group.state_dict()}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -322,6 +316,8 @@ class Replica:
         self.dp_steps = int(state.get("dp_steps", 0))  # (checkpoints from before privacy existed)
         if self.hyper is not None:
             self.hyper.load_state_dict(state["pbt"], self.opt)
+        if self.group is not None:
+            self.group.load_state_dict(state["group"])
         if self.tracker is not None:
             if state["examples"] is None:
                 raise ValueError("it has no example table, but examples.track is on")
@@ -364,6 +360,12 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
                               "replica's own batches (use train.vectorize: off or auto)")
         return False
     per = world.size // world.processes
+    if cfg.train.group_size > per:  # a group's every step would cross processes inside the stacked step
+        if mode == "on":
+            raise ConfigError(f"train.vectorize=on cannot apply with train.group_size={cfg.train.group_size} over "
+                              f"{per} replicas per process: a group spans processes (use train.vectorize: off or "
+                              "auto, or fewer processes)")
+        return False
     return world.shared(("vectorize",), lambda: vectorized.resolve_vectorize(
         mode, model, per, sample=(placed.x[:4], placed.y[:4]), name=cfg.model.name))
 

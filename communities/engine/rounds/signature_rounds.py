@@ -110,7 +110,8 @@ class SignatureRounds:
         self.signature = kind(cfg, world, replica)
         # BLAS distances only where every rank runs the same kernels; else pdist, the same bits on any CPU
         self.fast_distances = len(set(world.allgather_text(clustering.blas_fingerprint()))) == 1
-        self.groups = replica.data.groups
+        planted = replica.data.groups  # (with train.group_size > 1: each group's lead's)
+        self.groups = None if planted is None else [int(g) for g in world.of_ranks(np.asarray(planted))]
         self.pending: Optional[tuple] = None  # signature.overlap: (request, gathered, sent) of the Iallgather in flight
         self.last_rows: Optional[np.ndarray] = None  # the last gather (a lost rank's row stays its last one)
         self.index = 0  # rounds completed

@@ -1,0 +1,62 @@
+"""A population's replicas trained and scored as one stacked model (``train.vectorize``), from the replica's side.
+
+Every replica of the process hands its part to ``world.together``; the first builds the process's
+``StackedTrainer`` (once: ``world.shared``), which trains or scores them all in one ``torch.func.vmap``. The call
+is waited for as idle, and each replica's share of its seconds is then counted as training or evaluation.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+
+from ...workload import train, vectorized
+from ...workload.vectorized import StackedTrainer
+
+if TYPE_CHECKING:
+    from .replica import Replica
+
+
+def train_together(replica: "Replica", t: int, steps: Optional[int]) -> train.UnitResult:
+    """Unit t of ``replica``, trained with the process's other replicas as one stacked model; with data-parallel
+    groups, each group's rows average their gradients at every step inside it (their bytes counted as sent)."""
+    r, cfg = replica, replica.cfg
+    member = vectorized.Member(r.model, r.opt, r.flat, r.data.x, r.data.y, r.rank)
+    group_size = 1 if r.group is None else r.group.size
+
+    def step(members: List[vectorized.Member]) -> list:
+        return vectorized.train_members(trainer(r, len(members)), members, cfg.seed, t, steps, group_size=group_size)
+
+    with r.timer("idle"):
+        res, seconds = r.world.together(("train", t), member, step)
+    r.timer.reassign(seconds, "idle", "train")
+    if group_size > 1:  # the group's gradient averages, done as rows of the stacked step
+        averaged = res.steps * r.world._ring(r.n_params * r.flat.element_size(), group_size)
+        r.world.bytes_sent += averaged
+        r.world.bytes_in_group += averaged
+    return res
+
+
+def trainer(replica: "Replica", count: int) -> StackedTrainer:
+    """The process's stacked model for ``count`` replicas (built once, by the first replica that asks)."""
+    r = replica
+    return r.world.shared(("stacked trainer", count), lambda: StackedTrainer(
+        r.model, torch.zeros((count, r.n_params), dtype=r.flat.dtype), r.cfg.train, name=r.cfg.model.name))
+
+
+def evaluate_together(replica: "Replica", t: int, m: Optional[int]) -> Tuple[float, float]:
+    """``replica``'s (accuracy, loss) on the shared test split, scored with the process's other replicas as one
+    stacked model; its share of the seconds is counted as evaluation."""
+    r = replica
+
+    def score(flats: List[torch.Tensor]) -> list:
+        start = time.perf_counter()
+        res = trainer(r, len(flats)).evaluate(flats, r.data.x_test[:m], r.data.y_test[:m])
+        share = (time.perf_counter() - start) / max(len(flats), 1)
+        return [(x, share) for x in res]
+
+    with r.timer("idle"):
+        res, seconds = r.world.together(("eval", t), r.flat, score)
+    r.timer.reassign(seconds, "idle", "eval")
+    return res

@@ -1,0 +1,101 @@
+"""Data-parallel groups (``train.group_size``) under a real mpiexec: placement, the mean, resume, bytes, inspect.
+
+Four replicas in two groups of two, on the tiny config. Each invariant is one a user relies on:
+
+- placement changes no result: the same consensus bits on 4, 2 and 1 processes (the group's average is a
+  Comm.Split Allreduce on 4, a tree in memory on 2 and 1), and the stacked path agrees within float tolerance;
+- a merge conserves the mean of the groups: with lr 0 gossip drives every group to the mean of the groups'
+  initial weights (each group starts from its lead's);
+- a resume from a checkpoint, onto another number of processes, gives the uninterrupted run's bits;
+- the summary splits bytes inside groups from bytes between them, and ``communities inspect`` reads the run.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.mpi import ROOT, consensus_weights, initial_weights, run_engine, tiny_batch
+
+pytestmark = pytest.mark.timeout(900)
+
+G2 = ["train.group_size=2", "strategy=community", "world_size=4"]
+LR0 = ["train.lr=0", "model.init=per_rank", "strategy=gossip", "consensus.stop=false"]
+CKPT = ["checkpoint.every=10"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    four = tiny_batch(tmp_path_factory, "groups4", 4, {
+        "p4": G2, "ckpt": G2 + CKPT, "lr0": G2 + LR0 + ["train.budget=60"],
+        "start": G2 + LR0 + ["train.budget=1", "strategy=isolated"]})
+    two = tiny_batch(tmp_path_factory, "groups2", 2, {"p2": G2, "vec": G2 + ["train.vectorize=on"]})
+    one = tiny_batch(tmp_path_factory, "groups1", 1, {"p1": G2})
+    return {**{k: four[k] for k in ("p4", "ckpt", "lr0", "start")}, "p2": two["p2"], "vec": two["vec"],
+            "p1": one["p1"], "config": four.config}
+
+
+def _state(run: Path) -> dict:
+    return torch.load(run / "consensus.pt", weights_only=True)
+
+
+def test_placement_changes_no_bit_and_the_stacked_path_agrees(runs):
+    ref = _state(runs["p4"])
+    for p in ("p2", "p1"):
+        got = _state(runs[p])
+        assert all(torch.equal(ref[k], got[k]) for k in ref), p
+    vec = _state(runs["vec"])
+    assert all(torch.allclose(ref[k], vec[k], atol=1e-4) for k in ref)
+    summary = json.loads((runs["p2"] / "summary.json").read_text())
+    assert summary["placement"]["processes"] == 2 and summary["groups"]["groups"] == 2
+
+
+def test_merges_conserve_the_mean_of_the_groups(runs):
+    inits = initial_weights(runs["config"], 4)
+    mean0 = (inits[0] + inits[2]) / 2  # each group starts from its lead's weights
+    start = consensus_weights(runs["config"], runs["start"])
+    final = consensus_weights(runs["config"], runs["lr0"])
+    assert torch.allclose(start, mean0, atol=1e-6)
+    assert torch.allclose(final, mean0, atol=1e-5)
+    summary = json.loads((runs["lr0"] / "summary.json").read_text())
+    assert summary["merges"] > 10 and summary["consensus_distance"] < 1e-4  # the groups met at the mean
+
+
+def test_a_resume_onto_other_processes_gives_the_uninterrupted_bits(runs, tmp_path):
+    run = tmp_path / "tiny"
+    shutil.copytree(runs["ckpt"], run)
+    checkpoints = run / "checkpoints"
+    steps = sorted(p.name for p in checkpoints.iterdir() if p.is_dir())
+    assert len(steps) >= 2  # (checkpoint.keep)
+    shutil.rmtree(checkpoints / steps[-1])  # as if killed after the one before
+    (checkpoints / "latest").write_text(steps[-2] + "\n")
+    (run / "summary.json").unlink()
+    meta = run / "meta.json"
+    meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
+    res = run_engine(2, runs["config"], tmp_path, *G2, *CKPT, extra=["--resume"])
+    assert "resuming" in res.stdout
+    ref, got = _state(runs["ckpt"]), _state(run)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_bytes_inside_and_between_groups_are_counted_apart(runs):
+    s = json.loads((runs["p4"] / "summary.json").read_text())
+    g = s["groups"]
+    assert g["size"] == 2 and g["groups"] == 2
+    assert g["bytes_in_group_mean"] > 0 and g["bytes_between_groups_mean"] > 0
+    assert g["bytes_in_group_mean"] + g["bytes_between_groups_mean"] == pytest.approx(s["bytes_sent_mean"])
+    # a member never sends the exchanges (its lead does): its bytes between groups are the leads' smaller
+    sent = s["bytes_sent_per_rank"]
+    merges = [json.loads(line) for line in (runs["p4"] / "merges.jsonl").read_text().splitlines()]
+    assert merges and {m["i"] for m in merges if m.get("event", "merge") == "merge"} <= {0, 1}  # groups, not replicas
+    assert sent[0] > 0 and sent[2] > 0
+    res = subprocess.run([sys.executable, "-m", "communities", "inspect", str(runs["p4"]), "--no-svg", "--last"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env={"MPLBACKEND": "Agg",
+                                                                                    "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "data-parallel group of 2 replicas" in res.stdout + res.stderr
