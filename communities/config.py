@@ -623,10 +623,18 @@ class PbtRange(_Section):
 
 
 class PbtConfig(_Section):
-    """Population-based training on the merges: each replica owns its hyperparameters; at a merge the worse of
-    the pair (by the loss on its own held-out data) adopts the better one's and perturbs them."""
+    """Population-based training: each replica owns its hyperparameters; by the loss on its own held-out data the
+    worse adopt the better ones' values and perturb them (at signature rounds from the whole population, or at a
+    merge from the partner)."""
 
     enabled: bool = False
+    selection: Literal["truncation", "tournament"] = Field(
+        "truncation", description="truncation: at every signature round each ready replica whose held-out loss ranks "
+        "in the bottom pbt.fraction adopts the values of one drawn from the top pbt.fraction (one gather of every "
+        "replica's score and values; virtual clock); tournament: at a merge the worse of the pair adopts the "
+        "better one's (greedy at many replicas: the learning rate decays early)")
+    fraction: float = Field(0.25, gt=0, le=0.5, description="pbt.selection truncation: the share of the population "
+                            "in the top and in the bottom")
     params: Dict[str, PbtRange] = Field(
         default_factory=dict, description="the learnable hyperparameters, each {low, high, scale}: "
         + ", ".join(PBT_PARAMS) + " (train.beta1/beta2: the entries of train.betas)")
@@ -852,6 +860,9 @@ class Config(_Section):
             why = "privacy.enabled=true (the score, a loss on the shard's held-out part, travels without noise)"
         elif "train.momentum" in pc.params and self.train.optimizer != "sgd":
             why = f"pbt.params.train.momentum with train.optimizer={self.train.optimizer!r} (momentum is SGD's)"
+        elif pc.selection == "truncation" and self.protocol == "async":
+            why = ("pbt.selection='truncation' under protocol='async' (it ranks the whole population at a signature "
+                   "round; async has no such collective: use pbt.selection=tournament)")
         elif any(k in pc.params for k in ("train.beta1", "train.beta2")) and self.train.optimizer != "adamw":
             why = f"pbt.params.train.beta1/beta2 with train.optimizer={self.train.optimizer!r} (the betas are AdamW's)"
         elif "merge.alpha" in pc.params and self.merge.rule not in ("constant", "clock", "loss"):

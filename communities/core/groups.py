@@ -91,9 +91,9 @@ class GroupLayout:
         return processes > 0 and self.size > self.replicas // max(processes, 1)
 
 
-def tree_mean_rows(rows: torch.Tensor, size: int) -> torch.Tensor:
-    """The mean over each consecutive block of ``size`` rows of a (R, ...) tensor, as a pairwise tree in member
-    order (``placement.tree_sum``'s order, then a division by ``size``), returned as (R / size, ...)."""
+def tree_sum_rows(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """The sum over each consecutive block of ``size`` rows of a (R, ...) tensor, as a pairwise tree in member
+    order (``placement.tree_sum``'s order), returned as (R / size, ...)."""
     R = rows.shape[0]
     level = rows.reshape(R // size, size, *rows.shape[1:])
     while level.shape[1] > 1:
@@ -102,4 +102,9 @@ def tree_mean_rows(rows: torch.Tensor, size: int) -> torch.Tensor:
         if n % 2:
             paired = torch.cat([paired, level[:, n - 1: n]], dim=1)
         level = paired
-    return level[:, 0] / size
+    return level[:, 0]
+
+
+def tree_mean_rows(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """``tree_sum_rows`` divided by ``size``: each group's mean gradient, as its members' Allreduce gives it."""
+    return tree_sum_rows(rows, size) / size

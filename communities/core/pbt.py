@@ -10,6 +10,13 @@ afresh with probability ``resample``), kept in range. A replica adopts at most
 once per ``ready`` units: PBT's ``ready``, so a score reflects the values it
 was trained with. Both sides decide from the same two headers, so they agree
 without a further message; ties and two non-finite scores adopt nothing.
+
+The tournament is greedy where pairs are many: a lower learning rate lowers the
+held-out loss soonest, so at 64 replicas the population's learning rate decays
+after a few units. ``truncation`` is PBT's other selection rule: at a signature
+round every replica's score is gathered, and each ready replica ranked in the
+bottom fraction adopts the values of one drawn from the top fraction; the
+middle keeps its own, so the population moves only where the ranking is clear.
 """
 from __future__ import annotations
 
@@ -94,6 +101,31 @@ def better(x: float, y: float, margin: float = 0.0) -> bool:
 def adopts(my_score: float, other_score: float, ready: bool, margin: float = 0.0) -> bool:
     """Whether this side adopts its partner's hyperparameters: it is ready, and the partner's score is better."""
     return bool(ready) and better(other_score, my_score, margin)
+
+
+def truncation(scores: np.ndarray, ready: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Truncation selection over the whole population (Jaderberg et al. 2017): (N,) the replica each replica adopts
+    from, or -1.
+
+    Replicas are ranked by score (lower is better; a non-finite score ranks last; ties by replica). The bottom
+    ``k = max(1, floor(fraction N))`` that are ``ready`` each adopt from a replica drawn uniformly from the top k,
+    in replica order from ``rng`` (every rank draws the same). With ``fraction`` at most a half the two sets never
+    meet, so no replica adopts its own values and none is both a source and an adopter.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    n = scores.size
+    out = np.full(n, -1, dtype=np.int64)
+    if n < 2 or not 0 < fraction <= 0.5:
+        return out
+    k = max(1, int(math.floor(fraction * n)))
+    finite = np.isfinite(scores)
+    order = np.lexsort((np.arange(n), np.where(finite, scores, 0.0), ~finite))  # finite first, by score, by index
+    top, bottom = order[:k], np.sort(order[n - k:])
+    draws = rng.integers(0, k, size=k)
+    for i, d in zip(bottom, draws):
+        if ready[i]:
+            out[i] = int(top[d])
+    return out
 
 
 def pair_alpha(mine: float, other: float) -> float:

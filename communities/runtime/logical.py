@@ -64,6 +64,15 @@ class LogicalRanks(Traffic):
         """A collective's root: ``root``, or the lead when None."""
         return self.membership.lead if root is None else int(root)
 
+    def across_processes(self, group_size: int):
+        """The in-place sum over the processes a group of ``group_size`` replicas spans, for a population's stacked
+        step (None: one replica per process has nothing to stack; ``ReplicaWorld`` overrides it)."""
+        return None
+
+    def count_sent(self, nbytes: int) -> None:
+        """Training bytes of a collective over every replica that the caller did not make through this view."""
+        self.bytes_sent += nbytes
+
     def of_ranks(self, per_rank: np.ndarray) -> np.ndarray:
         """A per-replica array as this view's ranks see it: itself (``groups.GroupWorld`` keeps each group's lead's)."""
         return per_rank

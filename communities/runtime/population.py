@@ -498,6 +498,21 @@ class ReplicaWorld(LogicalRanks):
 
     # ------------------------------------------------------------ collectives (counted as World counts them)
 
+    def across_processes(self, group_size: int) -> Optional[Callable[[torch.Tensor], Any]]:
+        """For a stacked step run by the hub: the in-place sum of a tensor over the processes that a group of
+        ``group_size`` replicas spans (every process for all the replicas; None inside one process)."""
+        hub = self.hub
+        if group_size <= hub.placement.per_process:
+            return None
+        if group_size >= self.size:
+            return hub.world.allreduce_sum_
+        assert hub.groups is not None and hub.groups.comm is not None  # (set up with the groups, at start-up)
+        return hub.groups.comm.allreduce_sum_
+
+    def count_sent(self, nbytes: int) -> None:
+        """Training bytes of a collective over every replica, counted as ``World`` counts them (``_sent``)."""
+        self._sent(nbytes)
+
     def _sent(self, nbytes: int) -> None:
         """Training bytes of a collective, as World counts them; the share that reaches the replica's own
         process, (B - 1) of its N - 1 peers, stays in memory (``bytes_in_process``)."""

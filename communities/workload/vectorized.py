@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from ..core.groups import tree_mean_rows
+from ..core.groups import tree_sum_rows
 from ..errors import ConfigError
 from . import train
 
@@ -253,16 +253,21 @@ class StackedTrainer:
     # ------------------------------------------------------------------ training
 
     def train_unit(self, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], ranks: Sequence[int], seed: int,
-                   t: int, steps: Optional[int] = None, group_size: int = 1) -> List[train.UnitResult]:
+                   t: int, steps: Optional[int] = None, group_size: int = 1,
+                   across: Optional[Callable[[torch.Tensor], Any]] = None) -> List[train.UnitResult]:
         """Train unit t of every replica r on (xs[r], ys[r]) with the batches of rank ranks[r].
 
-        ``group_size`` G > 1 (data-parallel groups): every G consecutive rows average their gradients at every step
-        (a pairwise tree in row order, as ``train.group_size``'s members do), so they take the same steps."""
+        ``group_size`` G > 1 (data-parallel groups, or strategy allreduce: one group of every replica): every G
+        consecutive rows average their gradients at every step (a pairwise tree in row order, as the members' own
+        Allreduce adds them), so they take the same steps. A group larger than these R rows spans processes: the
+        rows' sum goes through ``across`` (an in-place sum over the group's processes) before the division."""
         R, cfg = self.R, self.cfg
         if not (len(xs) == len(ys) == len(ranks) == R):
             raise ValueError(f"train_unit needs {R} shards and ranks, got {len(xs)}, {len(ys)}, {len(ranks)}")
-        if R % group_size:
-            raise ValueError(f"{R} replicas do not form groups of {group_size}")
+        local = min(group_size, R)  # the members of a group among these rows
+        if R % local or group_size % local or (group_size > R and across is None):
+            raise ValueError(f"{R} replicas do not form groups of {group_size}"
+                             + (" (a group across processes needs their sum: across)" if group_size > R else ""))
         if steps is None and cfg.unit == "steps":
             steps = cfg.steps_per_unit
         X, Y, offs = self._stacked_data(xs, ys)
@@ -291,7 +296,11 @@ class StackedTrainer:
                     grads, (loss, out) = self._step_fn[1](self._params, xb, yb, maskf_k, counts[k])
                 g = torch.cat([grads[n].reshape(R, -1) for n in self.names], dim=1)
                 if group_size > 1:  # each group's mean gradient, the same for all its members
-                    g = tree_mean_rows(g, group_size).repeat_interleave(group_size, dim=0)
+                    summed = tree_sum_rows(g, local)
+                    if group_size > R:
+                        assert across is not None
+                        across(summed)
+                    g = (summed / group_size).repeat_interleave(local, dim=0)
                 active = None if bool((sizes[k] > 0).all()) else size_t[k] > 0
                 with torch.no_grad():
                     self._optimizer_step(g, active)
@@ -620,7 +629,8 @@ class Member:
 
 
 def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int, t: int,
-                  steps: Optional[int] = None, group_size: int = 1) -> List[Tuple[train.UnitResult, float]]:
+                  steps: Optional[int] = None, group_size: int = 1,
+                  across: Optional[Callable[[torch.Tensor], Any]] = None) -> List[Tuple[train.UnitResult, float]]:
     """Unit t of every member as one stacked model: their weights and optimizer states are copied in, trained,
     and copied back into each member's own buffers (a checkpoint, a merge or an exchange sees them as always).
 
@@ -636,7 +646,7 @@ def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int,
             trainer.flats[r].copy_(m.flat[:n])
             _state_in(trainer, r, m)
     results = trainer.train_unit([m.x for m in members], [m.y for m in members], [m.rank for m in members],
-                                 seed, t, steps, group_size=group_size)
+                                 seed, t, steps, group_size=group_size, across=across)
     with torch.no_grad():
         for r, m in enumerate(members):
             m.flat[:n].copy_(trainer.flats[r])

@@ -1,8 +1,8 @@
-"""pbt in whole runs (4 replicas on 2 processes, one mpiexec): a replica started at lr 0 adopts a partner's
-learning rate and trains; adoptions are logged, each unit's hyperparameters written and the final ones summarised;
-with every replica at lr 0 and learnable, per-replica merge.alpha, the merges still conserve the mean; a resume
-from a checkpoint ends with the uninterrupted run's bits; and under async (2 processes) the same adoption works
-inside the asynchronous exchange."""
+"""pbt in whole runs (4 replicas on 2 processes, one mpiexec): a replica started at lr 0 adopts a better
+replica's learning rate (truncation selection at signature rounds) and trains; adoptions are logged, each unit's
+hyperparameters written and the final ones summarised; with every replica at lr 0 and learnable, per-replica
+merge.alpha, the merges still conserve the mean; a resume from a checkpoint ends with the uninterrupted run's bits;
+and under async (2 processes) the tournament's adoption works inside the asynchronous exchange."""
 from __future__ import annotations
 
 import json
@@ -55,7 +55,8 @@ def runs(tmp_path_factory):
         (resumed / product).unlink()
     meta = resumed / "meta.json"
     meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
-    asynchronous = Job(config, root / "async", ["protocol=async", *PBT, *LR0, "train.budget=30"])
+    asynchronous = Job(config, root / "async", ["protocol=async", *PBT, *LR0, "train.budget=30",
+                                                "pbt.selection=tournament"])
     again = run_batch(2, {"resumed": Job(config, root / "resumed", [f"world_size={N}", *PBT, *LR0, *CHECKPOINTED],
                                          extra=["--resume"]),
                           "async": asynchronous}, timeout=500, check=False)

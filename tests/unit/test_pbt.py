@@ -206,3 +206,43 @@ def test_a_score_taken_between_batches_leaves_the_model_in_training_mode():
     model.eval()
     train.evaluate(model, torch.randn(10, 4), torch.randint(0, 3, (10,)))
     assert not model.training
+
+
+# ---------------------------------------------------------------- truncation selection (pbt.selection: truncation)
+
+
+def test_truncation_moves_the_ready_bottom_to_the_top_and_nothing_else():
+    scores = np.array([0.5, 0.1, np.nan, 0.9, 0.3, 0.2, 0.8, 0.05])  # ranked: 7 1 5 4 0 6 3 2 (nan last)
+    src = pbt.truncation(scores, np.ones(8, dtype=bool), 0.25, protocol.rng(0, protocol.Purpose.PBT_SELECT, 5))
+    assert set(np.flatnonzero(src >= 0)) == {2, 3}  # the bottom two adopt ...
+    assert set(src[src >= 0]) <= {7, 1}  # ... from the top two; the middle keeps its own
+    again = pbt.truncation(scores, np.ones(8, dtype=bool), 0.25, protocol.rng(0, protocol.Purpose.PBT_SELECT, 5))
+    assert np.array_equal(src, again)  # every rank draws the same
+    not_ready = np.ones(8, dtype=bool)
+    not_ready[3] = False
+    src = pbt.truncation(scores, not_ready, 0.25, protocol.rng(0, protocol.Purpose.PBT_SELECT, 5))
+    assert src[3] == -1 and src[2] >= 0  # a replica that is not ready keeps its values
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=40),
+       st.floats(0.01, 0.5), st.integers(0, 1000))
+def test_truncation_never_adopts_its_own_nor_from_the_bottom(values, fraction, seed):
+    scores = np.array(values, dtype=np.float64)
+    src = pbt.truncation(scores, np.ones(len(scores), dtype=bool), fraction,
+                         protocol.rng(seed, protocol.Purpose.PBT_SELECT, 1))
+    adopters = np.flatnonzero(src >= 0)
+    assert all(src[i] != i for i in adopters)
+    assert not set(src[adopters].tolist()) & set(adopters.tolist())  # no source is also an adopter
+    if len(scores) >= 2:
+        assert len(adopters) == max(1, int(np.floor(fraction * len(scores))))
+
+
+def test_truncation_is_the_default_and_refused_under_async():
+    cfg = config_mod.from_dict({"pbt": {"enabled": True, "params": {"train.lr": {"low": 0.01, "high": 1}}},
+                                "data": {"local_test_fraction": 0.1}})
+    assert cfg.pbt.selection == "truncation" and cfg.pbt.fraction == 0.25
+    with pytest.raises(ConfigError, match="pbt.selection='truncation' under protocol='async'"):
+        config_mod.from_dict({"protocol": "async", "pbt": {"enabled": True, "params": {"train.lr": {"low": 0.01,
+                                                                                                    "high": 1}}},
+                              "data": {"local_test_fraction": 0.1}})

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ...config import Config
-from ...core import merge, partners, pbt
+from ...core import merge, partners, pbt, protocol
 from ...core.partners import Law
 from ...core.protocol import RunningDigest
 from ...errors import StopReason
@@ -86,10 +86,32 @@ class Mixer:
         return None
 
     def observe(self, rnd: RoundResult) -> None:
-        """A new signature round: its communities set the partner law, its outliers are left out."""
+        """A new signature round: its communities set the partner law, its outliers are left out; under
+        pbt.selection truncation the population's hyperparameters are selected."""
         self.excluded = rnd.outliers
         self.replica.set_outlier(bool(rnd.outliers[self.rank]))
         self.strategy.observe(rnd.communities, self, rnd.t)
+        if self.replica.hyper is not None and self.cfg.pbt.selection == "truncation":
+            self._select(rnd.t)
+
+    def _select(self, t: int) -> None:
+        """pbt.selection truncation: every replica's held-out loss and values gathered (one Allgather); the ready
+        replicas ranked in the bottom fraction adopt the values of one drawn from the top, then explore."""
+        r, hyper = self.replica, self.replica.hyper
+        assert hyper is not None
+        with self.timer("eval"):
+            _, score = r.evaluate_local()
+            score = r.group_mean(score)  # a group's: its members' mean
+        with self.timer("idle"):
+            table = self.world.allgather(np.concatenate([[score, float(hyper.ready(t))], hyper.values]))
+        alive = self.world.alive
+        scores = np.where(alive, table[:, 0], np.nan)
+        source = pbt.truncation(scores, (table[:, 1] > 0) & alive, self.cfg.pbt.fraction,
+                                protocol.rng(self.cfg.seed, protocol.Purpose.PBT_SELECT, t))
+        j = int(source[self.rank])
+        if j >= 0:
+            hyper.adopt(t, table[j, 2:], r.opt)
+            self.record(MergeRow.adopted(t, self.rank, j, -1, score, float(table[j, 0])))
 
     @property
     def unavailable(self) -> np.ndarray:
@@ -182,7 +204,8 @@ class Mixer:
                     probe.merged(partner, probed, a)
         self.record(MergeRow.pairwise(t, self.rank, partner, initiator, a, update, distance,
                                       self.world.bytes_sent - sent0, event))
-        if r.hyper is not None and pbt.adopts(mine.score, other.score, mine.ready, cfg.pbt.margin):
+        if r.hyper is not None and cfg.pbt.selection == "tournament" and \
+                pbt.adopts(mine.score, other.score, mine.ready, cfg.pbt.margin):
             r.hyper.adopt(t, np.asarray(other.hyper), r.opt)  # exploit the better side's, then explore
             self.record(MergeRow.adopted(t, self.rank, partner, initiator, mine.score, other.score))
 
@@ -192,9 +215,11 @@ class Mixer:
         base = (r.told_samples, r.told_loss, r.flat.numel(), sum(v.numel() for v in moments), r.diverged)
         if r.hyper is None:
             return Header(*base)
-        with self.timer("eval"):
-            _, score = r.evaluate_local()
-            score = r.group_mean(score)  # a group's score: its members' mean (the same header on every member)
+        score = float("nan")
+        if self.cfg.pbt.selection == "tournament":  # (truncation scores at signature rounds: ``_select``)
+            with self.timer("eval"):
+                _, score = r.evaluate_local()
+                score = r.group_mean(score)  # a group's score: its members' mean (the same header on every member)
         return Header(*base, score=score, ready=r.hyper.ready(t), hyper=tuple(float(v) for v in r.hyper.values))
 
     def _merge_optimizer_state(self, a: float, moments: List[torch.Tensor], got: Received) -> None:

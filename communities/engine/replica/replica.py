@@ -346,8 +346,7 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
     mode = cfg.train.vectorize
     if mode == "off":
         return False
-    inside = [key for key, on in (("examples.track", cfg.examples.track), ("strategy=allreduce",
-                                                                          cfg.strategy == "allreduce"),
+    inside = [key for key, on in (("examples.track", cfg.examples.track),
                                   ("protocol=async", cfg.protocol == "async"),
                                   ("privacy.enabled", cfg.privacy.enabled),
                                   ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0),
@@ -360,11 +359,10 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
                               "replica's own batches (use train.vectorize: off or auto)")
         return False
     per = world.size // world.processes
-    if cfg.train.group_size > per:  # a group's every step would cross processes inside the stacked step
+    if per == 1 and stacked.group_size(cfg, world.size) > 1:  # every step is an Allreduce between processes
         if mode == "on":
-            raise ConfigError(f"train.vectorize=on cannot apply with train.group_size={cfg.train.group_size} over "
-                              f"{per} replicas per process: a group spans processes (use train.vectorize: off or "
-                              "auto, or fewer processes)")
+            raise ConfigError("train.vectorize=on has nothing to stack with one replica per process and gradients "
+                              "averaged at every step (strategy allreduce or train.group_size > 1): use auto or off")
         return False
     return world.shared(("vectorize",), lambda: vectorized.resolve_vectorize(
         mode, model, per, sample=(placed.x[:4], placed.y[:4]), name=cfg.model.name))

@@ -18,23 +18,36 @@ if TYPE_CHECKING:
     from .replica import Replica
 
 
+def group_size(cfg, replicas: int) -> int:
+    """The replicas that average their gradients at every step: a data-parallel group, or every replica
+    (strategy allreduce), or 1."""
+    return replicas if cfg.strategy == "allreduce" else cfg.train.group_size
+
+
 def train_together(replica: "Replica", t: int, steps: Optional[int]) -> train.UnitResult:
-    """Unit t of ``replica``, trained with the process's other replicas as one stacked model; with data-parallel
-    groups, each group's rows average their gradients at every step inside it (their bytes counted as sent)."""
+    """Unit t of ``replica``, trained with the process's other replicas as one stacked model. Replicas that average
+    their gradients at every step (a data-parallel group, or every replica under strategy allreduce) do it as rows
+    of the stacked step, across processes through the process's world where the group spans several; the bytes
+    are counted as the replicas' own Allreduces would count them."""
     r, cfg = replica, replica.cfg
     member = vectorized.Member(r.model, r.opt, r.flat, r.data.x, r.data.y, r.rank)
-    group_size = 1 if r.group is None else r.group.size
+    size = group_size(cfg, r.world.size)
+    across = r.world.across_processes(size) if size > 1 else None
 
     def step(members: List[vectorized.Member]) -> list:
-        return vectorized.train_members(trainer(r, len(members)), members, cfg.seed, t, steps, group_size=group_size)
+        return vectorized.train_members(trainer(r, len(members)), members, cfg.seed, t, steps, group_size=size,
+                                        across=across)
 
     with r.timer("idle"):
         res, seconds = r.world.together(("train", t), member, step)
     r.timer.reassign(seconds, "idle", "train")
-    if group_size > 1:  # the group's gradient averages, done as rows of the stacked step
-        averaged = res.steps * r.world._ring(r.n_params * r.flat.element_size(), group_size)
-        r.world.bytes_sent += averaged
-        r.world.bytes_in_group += averaged
+    if size > 1:  # the gradient averages, done as rows of the stacked step
+        averaged = res.steps * r.world._ring(r.n_params * r.flat.element_size(), size)
+        if cfg.strategy == "allreduce":
+            r.world.count_sent(averaged)  # as the replica's own Allreduces over the world count
+        else:
+            r.world.bytes_sent += averaged
+            r.world.bytes_in_group += averaged
     return res
 
 
