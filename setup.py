@@ -53,8 +53,8 @@ setup(
                  "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6"],
         # pinned: a newer linter may flag new things, and CI runs make lint
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "py-spy>=0.3"],
-        # the documentation site: mkdocs build --strict (mkdocs.yml; material brings pymdown-extensions)
-        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "pymdown-extensions>=10"],
+        # the documentation site: mkdocs build --strict (mkdocs.yml); below the next major versions, untried here
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "pymdown-extensions>=10"],
     },
     entry_points={"console_scripts": ["communities=communities.cli:main"]},
 )
