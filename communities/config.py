@@ -48,9 +48,11 @@ class _Section(BaseModel):
 class Schedule(_Section):
     """A scalar annealed from ``start`` to ``end`` over ``[begin, begin + horizon]`` units."""
 
-    start: float
-    end: float
-    shape: Literal["linear", "cosine", "exp", "constant"] = "linear"
+    start: float = Field(description="the value up to unit begin")
+    end: float = Field(description="the value from unit begin + horizon on")
+    shape: Literal["linear", "cosine", "exp", "constant"] = Field(
+        "linear", description="linear | cosine (slow, fast, slow) | exp (geometric: start and end > 0) | constant "
+        "(start throughout)")
     begin: int = Field(0, ge=0, description="unit at which annealing starts")
     horizon: int = Field(100, ge=1, description="units the annealing takes")
 
@@ -62,11 +64,13 @@ class Schedule(_Section):
 
 
 class SyntheticData(_Section):
-    n_samples: int = Field(4000, ge=20)
-    n_features: int = Field(32, ge=1)
-    n_classes: int = Field(8, ge=2)
-    class_sep: float = Field(2.0, gt=0)
-    noise: float = Field(1.0, ge=0)
+    """data.dataset synthetic: a Gaussian mixture, one cluster per class."""
+
+    n_samples: int = Field(4000, ge=20, description="examples generated, training and test together")
+    n_features: int = Field(32, ge=1, description="dimensions of an example")
+    n_classes: int = Field(8, ge=2, description="classes, one Gaussian cluster each")
+    class_sep: float = Field(2.0, gt=0, description="how far apart the class centres are (larger: easier)")
+    noise: float = Field(1.0, ge=0, description="standard deviation of each cluster around its centre")
 
 
 class LmData(_Section):
@@ -90,7 +94,7 @@ LM_DATASETS = ("pystdlib", "text", "tokens")
 
 class DataConfig(_Section):
     dataset: str = Field("digits", description="digits | mnist1d | synthetic | pystdlib | text | tokens | "
-                         "module:function (docs/plugins.md)")
+                         "module:function (docs/guides/own-model-and-data.md)")
     root: Optional[str] = Field(None, description="a directory of data on disk, passed to a module:function "
                                 "dataset as root= (e.g. torchvision's root); relative to the current directory")
     samples: Optional[int] = Field(
@@ -109,7 +113,8 @@ class DataConfig(_Section):
     groups: int = Field(4, ge=1, description="planted groups of ranks (partition: label_groups)")
     purity: float = Field(1.0, ge=0, le=1, description="share of a rank's data drawn from its group's labels")
     test_fraction: float = Field(0.25, gt=0, lt=1, description="held-out share for datasets without a test split")
-    standardize: bool = True
+    standardize: bool = Field(True, description="scale every feature to mean 0 and variance 1 by the moments of "
+                              "the whole training set (the ranks' sums allreduced, so every rank scales alike)")
     synthetic: SyntheticData = SyntheticData()
     lm: LmData = LmData()
     local_test_fraction: float = Field(
@@ -124,7 +129,8 @@ class DataConfig(_Section):
         if self.dataset not in ("digits", "mnist1d", "synthetic") + LM_DATASETS and ":" not in self.dataset:
             raise ValueError(
                 f"data.dataset={self.dataset!r} is not one of digits, mnist1d, synthetic, pystdlib, text, tokens, "
-                "or a 'package.module:function' returning (x_train, y_train, x_test, y_test) (docs/plugins.md)"
+                "or a 'package.module:function' returning (x_train, y_train, x_test, y_test) "
+                "(docs/guides/own-model-and-data.md)"
             )
         if self.samples is not None and self.dataset != "mnist1d":
             hint = " (synthetic: data.synthetic.n_samples)" if self.dataset == "synthetic" else ""
@@ -162,8 +168,8 @@ class DataConfig(_Section):
 class GptModel(_Section):
     """model.name gpt: a decoder-only transformer (its context is data.lm.context, its vocabulary the corpus's)."""
 
-    layers: int = Field(4, ge=1)
-    heads: int = Field(4, ge=1)
+    layers: int = Field(4, ge=1, description="transformer blocks")
+    heads: int = Field(4, ge=1, description="attention heads per block")
     embed: int = Field(128, ge=1, description="the residual stream's width; a multiple of heads")
 
     @model_validator(mode="after")
@@ -175,10 +181,11 @@ class GptModel(_Section):
 
 class ModelConfig(_Section):
     name: str = Field("mlp", description="mlp | cnn1d | gpt | module:function")
-    hidden: List[int] = Field(default_factory=lambda: [64])
+    hidden: List[int] = Field(default_factory=lambda: [64], description="mlp: the hidden layers' widths")
     channels: int = Field(25, ge=1, description="cnn1d channels")
-    batchnorm: bool = False
-    dropout: float = Field(0.0, ge=0, lt=1)
+    batchnorm: bool = Field(False, description="mlp, cnn1d: a BatchNorm layer after each hidden layer (its "
+                            "running statistics are merged with the weights)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="mlp: dropout probability after each hidden layer")
     init: Literal["shared", "per_rank"] = Field(
         "shared", description="shared: rank 0's weights broadcast; per_rank: each rank its own (tests)"
     )
@@ -194,13 +201,15 @@ class ModelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.05, ge=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = False
-    weight_decay: float = Field(0.0, ge=0)
-    betas: List[float] = Field(default_factory=lambda: [0.9, 0.999])
-    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["sgd", "adamw"] = Field("sgd", description="the local optimizer of every replica: sgd "
+                                                "(with momentum) or adamw")
+    lr: float = Field(0.05, ge=0, description="the learning rate (the peak, under a schedule or warmup)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd: momentum")
+    nesterov: bool = Field(False, description="sgd: Nesterov momentum")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay (adamw: decoupled)")
+    betas: List[float] = Field(default_factory=lambda: [0.9, 0.999], description="adamw: its two betas, "
+                               "each in [0, 1)")
+    batch_size: int = Field(32, ge=1, description="examples per step on each replica")
     unit: Literal["epoch", "steps"] = Field("epoch", description="one unit of virtual time")
     steps_per_unit: int = Field(10, ge=1, description="steps per unit when unit: steps")
     budget: int = Field(100, ge=1, description="maximum units of virtual time (each rank's own units under async)")
@@ -249,10 +258,11 @@ class TrainConfig(_Section):
 class OuterConfig(_Section):
     """DiLoCo-style outer step on the pseudo-gradient ``w_before - w_merged``."""
 
-    enabled: bool = False
-    lr: float = Field(0.7, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
+    enabled: bool = Field(False, description="take an outer step on each merge's pseudo-gradient (NoLoCo, "
+                          "SlowMo); strategy diloco always takes one on its global averages")
+    lr: float = Field(0.7, gt=0, description="the outer step's learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="the outer step's momentum")
+    nesterov: bool = Field(True, description="Nesterov momentum for the outer step")
 
 
 class MergeConfig(_Section):
@@ -261,10 +271,15 @@ class MergeConfig(_Section):
     average_every: int = Field(0, ge=0, description="pairwise strategies: an exact global average (Allreduce "
                                "mean) every this many units besides the merges (Gossip-PGA, Chen et al. 2021; "
                                "0: none)")
-    rule: Literal["constant", "clock", "loss", "ema", "swap"] = "constant"
+    rule: Literal["constant", "clock", "loss", "ema", "swap"] = Field(
+        "constant", description="the merge w_i <- (1 - a) w_i + a w_j on both sides: constant (a = alpha), clock "
+        "(weighted by samples seen), loss (weighted by inverse recent loss), ema (a from the schedule merge.ema), "
+        "swap (a = 1: the two models trade places)")
     alpha: float = Field(0.5, ge=0, le=1, description="interpolation weight a for constant/clock/loss")
     ema: Schedule = Schedule(start=0.1, end=0.5, shape="linear", horizon=100)
-    optimizer_state: Literal["keep", "reset", "average"] = "keep"
+    optimizer_state: Literal["keep", "reset", "average"] = Field(
+        "keep", description="the optimizer's moments at a merge: keep them, reset them, or average them with the "
+        "partner's (they then travel in the exchange)")
     outer: OuterConfig = OuterConfig()
     partner_policy: Literal["law", "least_recent"] = Field(
         "law", description="law: partners from the partner law alone; least_recent: weight the law by how long "
@@ -298,9 +313,13 @@ class SignatureConfig(_Section):
 
 
 class ClusteringConfig(_Section):
-    linkage: Literal["average", "complete", "ward", "single"] = "average"
-    metric: Literal["cosine", "euclidean"] = "cosine"
-    cut: Literal["maxclust", "distance", "auto"] = "auto"
+    linkage: Literal["average", "complete", "ward", "single"] = Field(
+        "average", description="scipy's agglomerative linkage method (ward needs metric euclidean)")
+    metric: Literal["cosine", "euclidean"] = Field("cosine", description="distance between two signatures")
+    cut: Literal["maxclust", "distance", "auto"] = Field(
+        "auto", description="where the tree is cut into communities: maxclust (k communities from the schedule "
+        "clustering.k), distance (at clustering.threshold), auto (the best silhouette up to max_communities, if it "
+        "clears min_silhouette and min_separation; else one community)")
     k: Schedule = Schedule(start=4, end=1, shape="linear", horizon=100)
     threshold: float = Field(0.5, gt=0, description="distance threshold (cut: distance)")
     max_communities: int = Field(16, ge=1, description="largest k tried by cut: auto")
@@ -319,13 +338,15 @@ class ClusteringConfig(_Section):
 
 
 class PartnerConfig(_Section):
-    law: Literal["flat", "hierarchical"] = "flat"
+    law: Literal["flat", "hierarchical"] = Field(
+        "flat", description="flat: P(j | i) proportional to p_intra inside i's community, p_cross(t) outside; "
+        "hierarchical: proportional to exp(-h_ij / T(t)), h_ij the cophenetic height at which i and j join")
     schedule: Literal["law", "hypercube"] = Field(
         "law", description="law: merges fire by each rank's merge clock, partners drawn from the law; hypercube: "
         "every unit every rank merges with its one-peer hypercube partner (position p XOR 2^(t mod log2 m)) inside "
         "its community, or, with probability p_cross(t) for the whole unit, inside the whole world (gossip: "
         "always the world): the exact mean of 2^k ranks in k units (Ying et al. 2021)")
-    p_intra: float = Field(1.0, gt=0)
+    p_intra: float = Field(1.0, gt=0, description="flat law: the weight of a partner inside the community")
     p_cross: Schedule = Schedule(start=0.02, end=1.0, shape="cosine", horizon=100)
     temperature: Schedule = Schedule(start=0.05, end=20.0, shape="exp", horizon=100)
 
@@ -368,7 +389,7 @@ class ConsensusConfig(_Section):
 
 
 class OutputConfig(_Section):
-    root: str = "results"
+    root: str = Field("results", description="the directory that holds run directories (results/<name>/)")
     consensus_every: int = Field(0, ge=0, description="units between consensus-model evaluations (0: eval_every)")
     snapshot_seconds: float = Field(
         1.0, ge=0, description="protocol async: seconds of wall clock between copies of the weights, averaged at "
@@ -422,15 +443,17 @@ class FaultsConfig(_Section):
     """Fault injection for testing the defences (chaos testing); off by default."""
 
     nan_rank: Optional[int] = Field(None, ge=0, description="this rank's weights become NaN at unit nan_at")
-    nan_at: int = Field(1, ge=1)
+    nan_at: int = Field(1, ge=1, description="the unit at which faults.nan_rank's weights become NaN")
     hostile_rank: Optional[int] = Field(None, ge=0, description="this rank sends scaled or random weights")
-    hostile_kind: Literal["scale", "random"] = "scale"
+    hostile_kind: Literal["scale", "random"] = Field(
+        "scale", description="what faults.hostile_rank sends: its weights times hostile_scale, or random weights "
+        "of the same norm")
     hostile_scale: float = Field(-10.0, description="scale attack factor; negative flips the sign (a ReLU net "
                                                    "predicts almost the same with positively scaled weights)")
     slow_max: float = Field(0.0, ge=0, description="each unit, each rank sleeps a random [0, slow_max] seconds")
     stall_rank: Optional[int] = Field(None, ge=0, description="this rank stops responding at unit stall_at")
-    stall_at: int = Field(1, ge=1)
-    stall_seconds: float = Field(3600.0, gt=0)
+    stall_at: int = Field(1, ge=1, description="the unit at which faults.stall_rank stops responding")
+    stall_seconds: float = Field(3600.0, gt=0, description="how long faults.stall_rank sleeps")
     speed: Dict[int, float] = Field(
         default_factory=dict, description="rank -> slowdown factor >= 1: the rank sleeps (factor - 1) x each "
         "batch's own time after it, e.g. {0: 3.0} makes rank 0 three times slower")
@@ -463,7 +486,7 @@ class FaultsConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="units between checkpoints (0: only at the end and on a stop signal)")
-    at_end: bool = True
+    at_end: bool = Field(True, description="write a checkpoint at the end of the run")
     keep: int = Field(1, ge=0, description="complete checkpoints kept besides the newest")
     requeue: bool = Field(False, description="on a stop signal under SLURM, rank 0 runs scontrol requeue itself "
                                              "(launch/slurm.sbatch requeues after the ranks exit instead)")
@@ -530,7 +553,9 @@ class ExamplesConfig(_Section):
         "unseen", description="hardest first, or hardest among those the partner never trained on first")
     tau_hard: float = Field(0.5, gt=0, lt=1, description="below this confidence, a fully visited example is "
                             "logged as globally hard")
-    visited: Literal["auto", "bitset", "recent"] = "auto"
+    visited: Literal["auto", "bitset", "recent"] = Field(
+        "auto", description="how each example's set of visiting ranks is kept: bitset (exact, a bit per rank), "
+        "recent (a count and the 16 most recent visitors); auto: bitset up to 1,024 ranks, recent beyond")
 
     @model_validator(mode="after")
     def _needs_tracking(self):
@@ -609,8 +634,8 @@ PBT_PARAMS = {  # a learnable hyperparameter -> the values its config field allo
 class PbtRange(_Section):
     """Where one learnable hyperparameter lives: each replica's first value is drawn from [low, high]."""
 
-    low: float
-    high: float
+    low: float = Field(description="the lowest first value (and the lowest kept when exploring)")
+    high: float = Field(description="the highest first value (and the highest kept when exploring)")
     scale: Literal["log", "linear"] = Field("log", description="log: drawn log-uniformly (low > 0); linear: uniformly")
 
     @model_validator(mode="after")
@@ -627,7 +652,8 @@ class PbtConfig(_Section):
     worse adopt the better ones' values and perturb them (at signature rounds from the whole population, or at a
     merge from the partner)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="learn the hyperparameters of pbt.params (needs a "
+                          "pairwise strategy and data.local_test_fraction > 0, whose loss is the score)")
     selection: Literal["truncation", "tournament"] = Field(
         "truncation", description="truncation: at every signature round each ready replica whose held-out loss ranks "
         "in the bottom pbt.fraction adopts the values of one drawn from the top pbt.fraction (one gather of every "
@@ -699,14 +725,20 @@ SEED_BOUND = 2**32  # numpy's legacy RandomState and scikit-learn's random_state
 class Config(_Section):
     name: str = Field("run", description="the run directory's name under output.root: one plain file name")
     seed: int = Field(0, ge=0, lt=SEED_BOUND, description="0 <= seed < 2**32")
-    strategy: Strategy = "community"
+    strategy: Strategy = Field(
+        "community", description="how replicas combine their work: community (partners by community), gossip "
+        "(uniform partners), ring, isolated (no mixing), local_sgd (a mean every merge.period units), diloco (that "
+        "mean as an outer Nesterov step), allreduce (gradients every step), ifca (k shared models), oracle (IFCA "
+        "fixed to the planted groups)")
     protocol: Literal["virtual_clock", "async"] = Field(
         "virtual_clock", description="virtual_clock: every rank walks the same exchange lists (deterministic, "
         "bitwise resumable); async: each rank at its own pace, merges served between batches")
     world_size: Optional[int] = Field(None, ge=1, description="the number of replicas N: MPI may start N processes "
                                       "or any number P that divides N (each hosting N/P replicas); null: one replica "
                                       "per process, any number")
-    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="cpu; cuda (an error where torch sees no GPU); auto: GPU local_rank % n_gpus where "
+        "there is one, else the CPU")
     threads: Optional[int] = Field(None, ge=1, description="torch threads per rank; null: OMP_NUM_THREADS, else 1")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()

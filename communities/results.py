@@ -4,7 +4,7 @@ Everything here is readable with numpy, json and yaml alone (``consensus.pt`` an
 ``checkpoints/`` need torch), so a user can call
 ``scipy.cluster.hierarchy.dendrogram(np.load("rounds/round_0003/Z.npy"))`` directly.
 
-Layout of ``results/<name>/`` (see docs/results-layout.md):
+Layout of ``results/<name>/`` (see docs/reference/results-layout.md):
 
 - ``config.yaml``      resolved config
 - ``meta.json``        versions, world size, MPI library, hosts, start/end, status
@@ -531,7 +531,7 @@ TIME_CATEGORIES = tuple(c.value for c in TimeCategory)  # the plain names, in th
 
 @dataclass
 class Summary:
-    """``summary.json``: the final figures of one run (docs/results-layout.md has every field)."""
+    """``summary.json``: the final figures of one run (docs/reference/results-layout.md has every field)."""
 
     name: str
     strategy: str

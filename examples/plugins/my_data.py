@@ -1,4 +1,4 @@
-"""Your own data and model for communities: the worked example of docs/plugins.md.
+"""Your own data and model for communities: the worked example of docs/guides/own-model-and-data.md.
 
     mpiexec -n 4 communities run examples/plugins/config.yaml
 

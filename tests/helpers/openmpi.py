@@ -9,7 +9,7 @@ set, where they fail: CI must really run them.
 ``own_sessions=True`` starts each rank as the leader of a session of its own
 (``setsid -w``), as MPICH's launcher does. Linux schedules each session as one
 group (autogroup), so on a machine shared with other jobs the ranks of one
-Open MPI job otherwise share a single group's CPU (README, "Open MPI and MPICH").
+Open MPI job otherwise share a single group's CPU (docs/guides/mpi-libraries.md).
 The launcher's signals then reach ``setsid``, not the rank: not for tests that
 signal or kill ranks.
 """
@@ -30,7 +30,7 @@ from .slurm_cluster import in_ci
 OMPI_VENV = Path(os.environ.get("COMMUNITIES_OMPI_VENV", ROOT / ".venv-ompi"))
 # ULFM: errors are returned, and the runtime (PRRTE) reports a rank whose process dies to the survivors. The
 # heartbeat detector (--mca mpi_ft_detector true) is not used: on this oversubscribed 2-core machine it declared
-# busy ranks dead, and with its thread on, a rank sometimes crashed inside MPI_Init (README, "Lost ranks")
+# busy ranks dead, and with its thread on, a rank sometimes crashed inside MPI_Init (docs/guides/mpi-libraries.md, ULFM)
 ULFM_FLAGS = ("--with-ft", "ulfm")
 
 

@@ -122,7 +122,7 @@ def test_a_frozen_rank_is_skipped_within_the_timeout_and_named(tmp_path, tiny_co
     give up after comm.timeout, say so, and go on; nobody waits for it beyond the timeouts.
 
     (A rank frozen *inside* an exchange, after its GO, leaves its partner in a blocking Sendrecv: that is the
-    watchdog's, which aborts the job naming it, as under the virtual clock; README, protocols.)
+    watchdog's, which aborts the job naming it, as under the virtual clock; docs/concepts/protocols.md.)
     """
     timeout = 2.0
     res = run_engine(4, tiny_config, tmp_path, "protocol=async", "strategy=gossip", f"comm.timeout={timeout}",
@@ -152,7 +152,7 @@ def test_async_stragglers_do_not_hold_back_the_fast_ranks(runs):
     # In the same 6 s the fast ranks train further than the slow one and than under the virtual clock, where
     # every rank keeps the slow rank's pace, and wait less. Not 4x and not without waiting: an exchange waits for
     # the partner's next batch boundary, which costs milliseconds against this tiny model's 3 ms units, and 4
-    # ranks share 2 cores (the stragglers comparison in the README measures it on real workloads). Measured:
+    # ranks share 2 cores (docs/results/stragglers.md measures it on real workloads). Measured:
     # in CI, fast ranks >= 2x the slow rank's units, idle 0.40 against the virtual clock's 0.73; here under a
     # load average of 45, fast/slow 1.7, fast/virtual-clock 1.3, idle 0.33 against 0.64; here quiet, fast/slow
     # 2.6, fast/virtual-clock 1.23, idle 0.59 against 0.65.

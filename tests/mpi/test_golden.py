@@ -99,12 +99,13 @@ def test_placement_does_not_change_the_quickstart(golden, placed):
 
 
 def test_quickstart_meets_its_promises(golden):
-    """The README's quickstart claims: consensus >= 0.95, first-round ARI >= 0.9, one community, dispersion < tol;
-    with logging.tensorboard its event file holds the scalars the README lists (read back with TensorBoard's reader)."""
+    """The quickstart's claims (README, docs/getting-started/quickstart.md): consensus >= 0.95, first-round
+    ARI >= 0.9, one community, dispersion < tol; with logging.tensorboard its event file holds the scalars
+    docs/guides/tracking.md lists (read back with TensorBoard's reader)."""
     run_dir, res = golden["quickstart"]
     s = json.loads((run_dir / "summary.json").read_text())
     check_tensorboard(run_dir, s)
-    # the printed summary ends with the wall split, a partition of the loop's time (README, "What a run looks like")
+    # the printed summary ends with the wall split, a partition of the loop's time (docs/getting-started/quickstart.md)
     assert re.search(r"wall time +[\d.]+s: train [\d.]+s \(\d+%\) / exchange .* / other [\d.]+s \(\d+%\)", res.stdout)
     assert s["consensus_test_acc"] >= 0.95
     assert s["first_round_ari"] >= 0.9

@@ -1,6 +1,6 @@
-"""Your own data and model under a real mpiexec (docs/plugins.md): the documented example run as the docs say,
-from another directory with the installed command; a sharded reader; and the refusals before any rank trains
-(data that differ between ranks, a model function with the wrong signature)."""
+"""Your own data and model under a real mpiexec (docs/guides/own-model-and-data.md): the documented example run as
+the docs say, from another directory with the installed command; a sharded reader; and the refusals before any rank
+trains (data that differ between ranks, a model function with the wrong signature)."""
 import json
 import sys
 from pathlib import Path

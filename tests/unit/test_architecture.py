@@ -1,4 +1,4 @@
-"""The package's layers (docs/architecture.md): imports point one way, down."""
+"""The package's layers (docs/concepts/architecture.md): imports point one way, down."""
 from __future__ import annotations
 
 import ast

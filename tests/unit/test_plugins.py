@@ -1,5 +1,5 @@
-"""Your own data and model (docs/plugins.md) without MPI: the documented example, the keywords a function gets,
-the forms a dataset may take, and the clean errors of `communities validate`'s dry run."""
+"""Your own data and model (docs/guides/own-model-and-data.md) without MPI: the documented example, the keywords a
+function gets, the forms a dataset may take, and the clean errors of `communities validate`'s dry run."""
 from __future__ import annotations
 
 import os
@@ -26,7 +26,7 @@ def test_the_shipped_example_is_the_one_in_the_docs():
     blocks = doc_blocks()
     assert set(blocks) == {"examples/plugins/my_data.py", "examples/plugins/config.yaml"}
     for path, text in blocks.items():
-        assert (ROOT / path).read_text() == text, f"{path} differs from its block in docs/plugins.md"
+        assert (ROOT / path).read_text() == text, f"{path} differs from its block in docs/guides/own-model-and-data.md"
 
 
 def validate(*args, cwd):

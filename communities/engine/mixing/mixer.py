@@ -126,7 +126,7 @@ class Mixer:
         STOP file), ``budget`` once any rank passed ``train.wall_budget``; the same answer on every rank.
 
         Polled at rounds only: no collective between rounds (the exchanges still pace every rank to the
-        slowest, README "How it works").
+        slowest, docs/concepts/how-it-works.md).
         """
         if not at_round:
             return None
