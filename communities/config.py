@@ -102,6 +102,10 @@ class DataConfig(_Section):
         "split 80/20; none: its default 5,000, 4,000 of them training examples). Cached under data.root when that "
         "is set, so that one process generates them once (a CPU minute per 200,000) and every rank and later run reads "
         "them back")
+    samples_per_replica: Optional[int] = Field(
+        None, ge=1, description="mnist1d, weak scaling: the training examples each replica holds, so that data.samples "
+        "grows with the world (samples_per_replica x world_size x 1.25 generated, the generator's 80/20 split) and a "
+        "larger world does not starve its replicas; instead of data.samples")
     on_mismatch: Literal["refuse", "warn"] = Field(
         "refuse", description="when the ranks' data differ at start-up (a dataset function that is not "
         "deterministic): refuse to train, naming the ranks; warn: train anyway, the consensus scored on rank 0's "
@@ -136,6 +140,13 @@ class DataConfig(_Section):
             hint = " (synthetic: data.synthetic.n_samples)" if self.dataset == "synthetic" else ""
             raise ValueError(f"data.samples={self.samples} sets the mnist1d generator's sample count: it needs "
                              f"data.dataset=mnist1d, not {self.dataset!r}{hint}")
+        if self.samples_per_replica is not None:
+            if self.dataset != "mnist1d":
+                raise ValueError(f"data.samples_per_replica={self.samples_per_replica} sizes the mnist1d generator: "
+                                 f"it needs data.dataset=mnist1d, not {self.dataset!r}")
+            if self.samples is not None:
+                raise ValueError(f"data.samples_per_replica={self.samples_per_replica} and data.samples="
+                                 f"{self.samples} both size the data: set one")
         lm = self.dataset in LM_DATASETS
         if lm and self.partition not in ("iid", "by_domain"):
             raise ValueError(f"data.partition={self.partition!r} does not apply to a text corpus "
@@ -516,6 +527,11 @@ def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
     if not prefix:
         out.extend(_budget_moves_schedule(saved, current))
     return out
+
+
+def mnist1d_samples(per_replica: int, world: int) -> int:
+    """The mnist1d generator's sample count that gives every replica ``per_replica`` training examples (80/20)."""
+    return -(-int(per_replica) * int(world) * 5 // 4)
 
 
 def _budget_moves_schedule(saved: dict, current: dict) -> List[str]:
@@ -1043,6 +1059,10 @@ class Config(_Section):
                               f"least as many ranks; world size is {world}")
         if self.strategy in ("community", "gossip", "ring") and world < 2:
             raise ConfigError(f"strategy={self.strategy!r} needs at least 2 ranks; world size is {world}")
+        spr = self.data.samples_per_replica
+        if spr is not None and not 100 <= mnist1d_samples(spr, world) <= 640_000:
+            raise ConfigError(f"data.samples_per_replica={spr} x world size {world} asks the mnist1d generator for "
+                              f"{mnist1d_samples(spr, world):,} samples; it makes 100 to 640,000")
         G = self.train.group_size
         if G > 1:
             if world % G:

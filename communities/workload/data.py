@@ -356,7 +356,10 @@ def load(cfg, seed: int, rank: int = 0, world_size: int = 1) -> Dataset:
     if cfg.dataset == "digits":
         ds = load_digits(cfg.test_fraction, seed)
     elif cfg.dataset == "mnist1d":
-        ds = load_mnist1d(seed, cfg.samples, cfg.root)
+        samples = cfg.samples
+        if getattr(cfg, "samples_per_replica", None) is not None:  # weak scaling: the data grow with the world
+            samples = -(-int(cfg.samples_per_replica) * int(world_size) * 5 // 4)
+        ds = load_mnist1d(seed, samples, cfg.root)
     elif cfg.dataset == "synthetic":
         ds = load_synthetic(cfg.synthetic, cfg.test_fraction, seed)
     elif cfg.dataset == "pystdlib":
@@ -606,7 +609,7 @@ def arrange(ds: Dataset, cfg, seed: int, world: int) -> Prepared:
 
 def prepare(cfg, seed: int, world: int) -> Prepared:
     """Load ``cfg`` (a DataConfig) and ``arrange`` it over ``world`` ranks (``communities export``'s pipeline)."""
-    ds = load(cfg, seed)
+    ds = load(cfg, seed, 0, world)
     if ds.sharded:
         raise DataError(f"data.dataset={cfg.dataset!r} is a sharded reader (it takes rank or world_size): only each "
                         "rank holds its own shard, so every rank's data cannot be rebuilt in one process")

@@ -113,3 +113,21 @@ def test_the_config_key_reaches_the_loader(tmp_path):
 def test_the_config_key_is_validated(overrides, match):
     with pytest.raises(ConfigError, match=match):
         from_dict(apply_overrides({}, overrides))
+
+
+def test_samples_per_replica_grows_the_data_with_the_world(tmp_path):
+    """Weak scaling: every replica holds data.samples_per_replica training examples, whatever the world size."""
+    from communities.errors import ConfigError
+
+    cfg = from_dict(apply_overrides({}, ["data.dataset=mnist1d", "data.samples_per_replica=40", f"data.root={tmp_path}",
+                                         "data.standardize=false"]))
+    for world in (4, 8):
+        ds = data.load(cfg.data, cfg.seed, 0, world)
+        assert len(ds.y_train) == 40 * world  # 50 x world generated, 80% of them training examples
+    for overrides, match in ((["data.samples_per_replica=40"], "needs data.dataset=mnist1d"),
+                             (["data.dataset=mnist1d", "data.samples_per_replica=40", "data.samples=1000"],
+                              "both size the data")):
+        with pytest.raises(ConfigError, match=match):
+            from_dict(apply_overrides({}, overrides))
+    with pytest.raises(ConfigError, match="asks the mnist1d generator for 800,000 samples"):
+        from_dict(apply_overrides({}, ["data.dataset=mnist1d", "data.samples_per_replica=640"])).check_world(1000)
