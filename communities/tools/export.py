@@ -98,11 +98,12 @@ def export(run_dir: Path, round_index: int, k: Optional[int] = None, height: Opt
         have = f"rounds {min(by_index)}..{max(by_index)}" if by_index else "no complete round"
         raise ResultsError(f"{run_dir / 'rounds' / f'round_{round_index:04d}'}: no such round (the run has {have})")
     rnd = load_round(by_index[round_index])
+    cfg = config_mod.from_dict(run.config, source=str(run_dir / "config.yaml"))
     labels = community_labels(np.asarray(rnd.Z, dtype=np.float64), k, height)
+    labels = np.repeat(labels, cfg.train.group_size)  # (data-parallel groups: the tree's leaves are groups)
     weights = load_snapshots(run_dir, round_index, n)
     means = community_means(weights, labels)
 
-    cfg = config_mod.from_dict(run.config, source=str(run_dir / "config.yaml"))
     prepared = data.prepare(cfg.data, cfg.seed, n)
     ds = prepared.dataset
     torch.manual_seed(0)  # the architecture only: every weight is overwritten
