@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -11,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Dict
 
-from ..jobs import engine_cmd, find_mpiexec, pythonpath
+from ..jobs import child_env, engine_cmd, require_mpiexec
 from .common import fmt_table, machine_load, median, write_json
 
 
@@ -76,11 +75,11 @@ def bench_overhead(args) -> int:
     from ...results import TIME_CATEGORIES, Summary
 
     machine = machine_load()
-    launcher = [args.mpiexec or find_mpiexec()]
+    launcher = [require_mpiexec(args.mpiexec, "communities bench overhead")]
     rows, results, profiles = [], [], {}
     keep = args.output_root is not None
     root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-bench-"))
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=pythonpath())
+    env = child_env()
 
     def launch(cmd, config):
         print("$ " + " ".join(cmd), file=sys.stderr, flush=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from ..jobs import engine_cmd, find_mpiexec, launch_polled, pythonpath
+from ..jobs import child_env, engine_cmd, require_mpiexec, run_polled
 from .common import MB, fmt_table, machine_load, median, write_json
 from .partners import SeenAtWorld
 
@@ -173,11 +172,11 @@ def bench_scale(args) -> int:
     from ... import config
 
     machine = machine_load()
-    launcher = [args.mpiexec or find_mpiexec()]
+    launcher = [require_mpiexec(args.mpiexec, "communities bench scale")]
     keep = args.output_root is not None
     root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-bench-scale-"))
     root.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=pythonpath())
+    env = child_env()
     rows = []
     for n in args.sizes:
         if n % args.processes:
@@ -196,7 +195,7 @@ def bench_scale(args) -> int:
         cmd = engine_cmd(launcher, args.processes, args.config, str(root), extra)
         print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
         log = root / f"scale_n{n}.log"
-        rc, launch_s, peaks = launch_polled(cmd, env, log, args.timeout)
+        rc, launch_s, peaks = run_polled(cmd, env, log, args.timeout)
         peaks = sorted(peaks, reverse=True)
         if len(peaks) != args.processes:  # seen once in a run of 128: a third, tiny one (not understood yet)
             print(f"bench scale: N={n}: {len(peaks)} rank processes seen under mpiexec, not {args.processes} "
