@@ -109,11 +109,11 @@ def test_optimizer_state_converts_to_and_from_torch_optim(opt):
     xs, ys = _data()
     R = len(SIZES)
     ms, opts, trainer = _replicas(cfg, R)
-    empty = trainer.optimizer_state_dict(0)
+    empty = trainer.optimizer.optimizer_state_dict(0)
     assert empty["state"] == {} and empty["param_groups"][0]["lr"] == cfg.lr
     _run(ms, opts, trainer, xs, ys, cfg, list(range(R)), units=2)
     for r in range(R):
-        ours, theirs = trainer.optimizer_state_dict(r), opts[r].state_dict()
+        ours, theirs = trainer.optimizer.optimizer_state_dict(r), opts[r].state_dict()
         assert ours["state"].keys() == theirs["state"].keys()
         for i in theirs["state"]:
             assert ours["state"][i].keys() == theirs["state"][i].keys()
@@ -124,13 +124,13 @@ def test_optimizer_state_converts_to_and_from_torch_optim(opt):
         # torch.optim accepts ours; a trainer accepts torch's
         o = train.make_optimizer(cfg, ms[r].parameters())
         o.load_state_dict(ours)
-        trainer.load_optimizer_state_dict(r, theirs)
+        trainer.optimizer.load_optimizer_state_dict(r, theirs)
     # round trip of the stacked form
-    saved = trainer.state_dict()
+    saved = trainer.optimizer.state_dict()
     _, _, other = _replicas(cfg, R)
-    other.load_state_dict(saved)
+    other.optimizer.load_state_dict(saved)
     for r in range(R):
-        a, b = other.optimizer_state_dict(r)["state"], trainer.optimizer_state_dict(r)["state"]
+        a, b = other.optimizer.optimizer_state_dict(r)["state"], trainer.optimizer.optimizer_state_dict(r)["state"]
         assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
 
 
@@ -142,9 +142,9 @@ def test_reset_of_one_replica_matches_clearing_its_torch_state():
     ms, opts, trainer = _replicas(cfg, R)
     _run(ms, opts, trainer, xs, ys, cfg, list(range(R)), units=2)
     opts[1].state.clear()
-    trainer.reset_state(1)
-    assert trainer.optimizer_state_dict(1)["state"] == {} and trainer.state_tensors(1) == []
-    assert len(trainer.state_tensors(0)) == 2
+    trainer.optimizer.reset_state(1)
+    assert trainer.optimizer.optimizer_state_dict(1)["state"] == {} and trainer.optimizer.state_tensors(1) == []
+    assert len(trainer.optimizer.state_tensors(0)) == 2
     _run(ms, opts, trainer, xs, ys, cfg, list(range(R)), units=2)
     assert float((_weights(ms) - trainer.flats).abs().max()) <= TOL
 
