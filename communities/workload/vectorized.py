@@ -109,7 +109,7 @@ def dry_run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, name: Optional[s
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     cfg = SimpleNamespace(optimizer="sgd", lr=0.0, momentum=0.0, nesterov=False, weight_decay=0.0,
                           betas=[0.9, 0.999], batch_size=max(len(y), 1), unit="epoch", steps_per_unit=1)
-    trainer = StackedTrainer(model, torch.stack([flat, flat]), cfg, name)
+    trainer = StackedTrainer(model, torch.stack([flat, flat]), cfg, name=name)
     mask = torch.ones(2, len(y), dtype=flat.dtype)
     trainer._dry_run(torch.stack([x, x]), torch.stack([y, y]), mask, mask.sum(1))
 
@@ -127,7 +127,7 @@ class StackedTrainer:
     batch_size, unit, steps_per_unit).
     """
 
-    def __init__(self, model: nn.Module, flats: torch.Tensor, cfg: Any, name: Optional[str] = None):
+    def __init__(self, model: nn.Module, flats: torch.Tensor, cfg: Any, *, name: Optional[str] = None):
         self.name = name or type(model).__name__
         reason = unsupported_reason(model)
         if reason is not None:
@@ -592,7 +592,7 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
             ms.append(m)
         opts = [train.make_optimizer(cfg, m.parameters()) for m in ms]
         flats = torch.stack([torch.cat([p.detach().reshape(-1) for p in template.parameters()])] * R)
-        trainer = StackedTrainer(template, flats, cfg, "mlp")
+        trainer = StackedTrainer(template, flats, cfg, name="mlp")
         ranks = list(range(R))
         seq = vec = 0.0
         for t in range(units + 1):  # unit 0 warms both paths up (and runs the dry run)

@@ -42,7 +42,7 @@ def _replicas(cfg, R, features=10, classes=3, model=None):
         ms.append(models.MLP(features, classes, (8,)) if model is None else model())
     opts = [train.make_optimizer(cfg, m.parameters()) for m in ms]
     flats = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in ms])
-    return ms, opts, vz.StackedTrainer(ms[0], flats, cfg, "mlp")
+    return ms, opts, vz.StackedTrainer(ms[0], flats, cfg, name="mlp")
 
 
 def _weights(ms):
@@ -235,7 +235,7 @@ def test_members_keep_their_own_weights_and_torch_optim_state(opt):
     for m in ms:  # bind each model's parameters to one flat buffer, as the engine's replicas hold them
         flat, _n = models.flatten_(m)
         flats.append(flat)
-    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, "mlp")
+    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, name="mlp")
     members = [vz.Member(m, o, f, x, y, r) for m, o, f, x, y, r in zip(ms, opts, flats, xs, ys, range(len(ms)))]
     for t in range(3):
         want = [train.train_unit(m, o, x, y, cfg, 3, r, t) for m, o, x, y, r in zip(seq, seq_opts, xs, ys,

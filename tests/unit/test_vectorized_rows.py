@@ -70,7 +70,7 @@ def test_each_member_steps_with_its_own_param_groups(kind):
     seq, seq_opts = _population(cfg)
     ms, opts = _population(cfg)
     flats = [models.flatten_(m)[0] for m in ms]
-    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, "mlp")
+    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, name="mlp")
     members = [vz.Member(m, o, f, x, y, r) for r, (m, o, f, x, y) in enumerate(zip(ms, opts, flats, xs, ys))]
     for o, so, values in zip(opts, seq_opts, ROWS[kind]):
         _set(o, values)
@@ -107,8 +107,8 @@ def test_members_equal_to_the_cfg_keep_the_scalar_step(kind):
     xs, ys = _data()
     ms, opts = _population(cfg)
     flats = [models.flatten_(m)[0] for m in ms]
-    ref = vz.StackedTrainer(ms[0], torch.stack(flats).clone(), cfg, "mlp")
-    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, "mlp")
+    ref = vz.StackedTrainer(ms[0], torch.stack(flats).clone(), cfg, name="mlp")
+    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, name="mlp")
     members = [vz.Member(m, o, f, x, y, r) for r, (m, o, f, x, y) in enumerate(zip(ms, opts, flats, xs, ys))]
     for t in range(2):
         ref.train_unit(xs, ys, list(range(len(ms))), 3, t)
