@@ -98,7 +98,7 @@ def _unit_merges(rng: np.random.Generator, t: int, *, s: float, p_cross: float, 
                  done: _Traffic, norms: List[float]) -> List[dict]:
     """Unit t's merges (two lines per exchange): initiators pick partners mostly inside their community."""
     n = labels.size
-    fire = np.flatnonzero(rng.random(n) < 0.5) if n > 1 else []
+    fire = np.flatnonzero(rng.random(n) < 0.5) if n > 1 else np.zeros(0, dtype=np.int64)
     rows = []
     for i in fire:
         same = np.flatnonzero((labels == labels[i]) & (np.arange(n) != i))

@@ -81,8 +81,8 @@ def load_mnist1d(seed: int, samples: Optional[int] = None, root: Optional[str] =
         return (d["x"].astype(np.float32), d["y"].astype(np.int64),
                 d["x_test"].astype(np.float32), d["y_test"].astype(np.int64))
 
-    arrays = generate() if root is None else _cached(root, "mnist1d", _generator_key(args), generate)
-    return Dataset(*arrays, "mnist1d")
+    x, y, x_test, y_test = generate() if root is None else _cached(root, "mnist1d", _generator_key(args), generate)
+    return Dataset(x, y, x_test, y_test, "mnist1d")
 
 
 def _generator_key(args) -> str:
@@ -192,10 +192,10 @@ def load_user(spec: str, seed: int = 0, root: Optional[str] = None, rank: int = 
         declared = {k: _int_vector(spec, k, out[k]) for k in GROUP_KEYS if k in out}
         out = tuple(out[k] for k in names)
     if isinstance(out, (tuple, list)) and len(out) == 2:
-        sets = (("the training set", out[0]), ("the test set", out[1]))
-        for which, dataset in sets:
+        halves = (("the training set", out[0]), ("the test set", out[1]))
+        for which, dataset in halves:
             _check_set(spec, which, dataset)
-        out = sum((_read_set(spec, which, dataset) for which, dataset in sets), ())
+        out = sum((_read_set(spec, which, dataset) for which, dataset in halves), ())
     if not isinstance(out, (tuple, list)) or len(out) != 4:
         raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), (train_set, "
                         f"test_set) or a dict with those keys, got {_kind(out)}")
@@ -423,11 +423,11 @@ def partition(y: np.ndarray, world: int, kind: str, seed: int, alpha: float = 0.
             n_own = int(round(purity * len(idx)))
             inside = np.flatnonzero(rank_group == g)
             outside = np.flatnonzero(rank_group != g)
-            for r, part in zip(inside, np.array_split(idx[:n_own], len(inside))):
-                owners[r].extend(part.tolist())
+            for member, part in zip(inside, np.array_split(idx[:n_own], len(inside))):
+                owners[member].extend(part.tolist())
             if len(outside):
-                for r, part in zip(outside, np.array_split(idx[n_own:], len(outside))):
-                    owners[r].extend(part.tolist())
+                for other, part in zip(outside, np.array_split(idx[n_own:], len(outside))):
+                    owners[other].extend(part.tolist())
             else:
                 owners[inside[0]].extend(idx[n_own:].tolist())
         shards = [Shard(np.sort(np.array(o, dtype=np.int64)), int(rank_group[r])) for r, o in enumerate(owners)]
@@ -465,7 +465,7 @@ def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
     elif label_counts is None:
         n_classes = int(np.max(y)) + 1
         label_counts = [np.bincount(y[s.indices], minlength=n_classes).tolist() for s in shards]
-    groups = None if shards[0].group is None else [int(s.group) for s in shards]
+    groups = None if shards[0].group is None else np.array([s.group for s in shards], dtype=np.int64).tolist()
     sizes = [int(s.indices.size) for s in shards]
     out = {
         "partition": kind,

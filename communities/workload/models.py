@@ -10,7 +10,7 @@ model, so an exchange sends it as one buffer with no packing, and a merge is one
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -23,7 +23,8 @@ class MLP(nn.Module):
     def __init__(self, in_features: int, n_classes: int, hidden: Sequence[int] = (64,), *, dropout: float = 0.0,
                  batchnorm: bool = False):
         super().__init__()
-        layers, width = [nn.Flatten()], in_features
+        layers: List[nn.Module] = [nn.Flatten()]
+        width = in_features
         for h in hidden:
             layers.append(nn.Linear(width, h))
             if batchnorm:
@@ -46,7 +47,7 @@ class CNN1D(nn.Module):
         super().__init__()
 
         def block(cin, k):
-            mods = [nn.Conv1d(cin, channels, k, stride=2, padding=1)]
+            mods: List[nn.Module] = [nn.Conv1d(cin, channels, k, stride=2, padding=1)]
             if batchnorm:
                 mods.append(nn.BatchNorm1d(channels))
             mods.append(nn.ReLU())

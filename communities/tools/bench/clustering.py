@@ -5,7 +5,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple, cast
 
-from .common import fmt_table, machine_load, median, write_json
+from .common import fmt_table, machine_load, median, pairwise_strategy, write_json
 
 
 def planted_signatures(n: int, d: int, groups: int, seed: int = 0):
@@ -45,16 +45,6 @@ def cut_auto_sklearn(Z, distances, max_k=16, min_silhouette=0.25, min_separation
     return cut_maxclust(Z, best_k)
 
 
-def _pairwise_strategy(cfg, n: int):
-    """The configured strategy, which must draw pairwise partners (``Gossip`` and its subclasses)."""
-    from ...engine.mixing import strategies
-    from ...engine.mixing.gossip import Gossip
-
-    strat = strategies.make(cfg, n)
-    assert isinstance(strat, Gossip), f"strategy={cfg.strategy!r} draws no pairwise partners"
-    return strat
-
-
 def _time_case(S, cfg, n: int, k: Optional[int], reps: int):
     """Median seconds of find_communities, the law and the draws (and of find_communities' pieces, each alone)
     over ``reps`` repetitions after a warm-up; with the last repetition's communities, exchanges, distances and
@@ -68,7 +58,7 @@ def _time_case(S, cfg, n: int, k: Optional[int], reps: int):
     times: Dict[str, List[float]] = {key: [] for key in ("pairwise", "linkage", "cut", "find_communities", "law",
                                                          "draws")}
     for rep in range(reps + 1):  # the first is a warm-up
-        strat = _pairwise_strategy(cfg, n)
+        strat = pairwise_strategy(cfg, n)
         t0 = time.perf_counter()
         com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
                                           max_k=min(cc.max_communities, n - 1), min_silhouette=cc.min_silhouette,

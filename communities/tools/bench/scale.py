@@ -10,10 +10,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, cast
 
 from ..jobs import child_env, engine_cmd, require_mpiexec, run_polled
-from .common import MB, fmt_table, machine_load, median, write_json
+from .common import MB, fmt_table, machine_load, median, pairwise_strategy, write_json
 from .partners import SeenAtWorld
 
 SCALE_GROWTH = (  # (row key, label) of the figures whose growth with N is fitted
@@ -131,7 +131,6 @@ def _partner_ms(run_dir: Path, reps: int = 3) -> Optional[float]:
 
     from ... import config
     from ...core.clustering import Communities
-    from ...engine.mixing import strategies
 
     rd = run_dir / "rounds" / "round_0000"
     if not (rd / "labels.npy").exists():
@@ -146,9 +145,9 @@ def _partner_ms(run_dir: Path, reps: int = 3) -> Optional[float]:
     mixer = SeenAtWorld(n, t)
     times = []
     for _ in range(reps + 1):
-        strat = strategies.make(cfg, n)
+        strat = pairwise_strategy(cfg, n)
         t0 = time.perf_counter()
-        strat.observe(com, mixer, t)
+        strat.observe(com, cast(Any, mixer), t)
         strat.law(t)
         strat.exchanges(t, np.arange(n))
         times.append(time.perf_counter() - t0)

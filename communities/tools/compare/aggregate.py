@@ -1,7 +1,7 @@
 """compare.json: each run's figures and each strategy's over its seeds."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -23,13 +23,14 @@ def aggregate(spec: Spec, plans: Sequence[RunPlan]) -> dict:
     """compare.json: each run's figures and each strategy's over its seeds (a language model's runs add their
     losses, bits per byte and tokens per second; ``_``-keys stay out of the file)."""
     target = spec.target
-    arms = {}
-    runs = []
+    arms: Dict[str, Dict[str, Any]] = {}
+    runs: List[Dict[str, Any]] = []
     curves: Dict[str, List[dict]] = {}
     for p in plans:
         absent = "incomplete" if (p.path / "meta.json").exists() else "missing"
-        entry = {"strategy": p.arm.label, "engine_strategy": p.arm.strategy, "seed": p.seed, "name": p.name,
-                 "path": str(p.path), "status": p.status if p.status != "pending" else absent}
+        entry: Dict[str, Any] = {"strategy": p.arm.label, "engine_strategy": p.arm.strategy, "seed": p.seed,
+                                 "name": p.name, "path": str(p.path),
+                                 "status": p.status if p.status != "pending" else absent}
         if p.error:
             entry["error"] = p.error
         if run_complete(p.path):

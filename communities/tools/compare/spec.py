@@ -27,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Dict, List, Optional, Sequence, Union
+from typing import Annotated, Any, ClassVar, Dict, List, Optional, Sequence, Type, Union
 
 import numpy as np
 from pydantic import (
@@ -309,7 +309,7 @@ def _message(err: Any, keys: Sequence[str]) -> str:
     return f"{where}: {msg}{got}" if where else msg
 
 
-def _validated(model: type, raw: Any, where: str, keys: Sequence[str], **context: Any) -> Any:
+def _validated(model: Type[BaseModel], raw: Any, where: str, keys: Sequence[str], **context: Any) -> Any:
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: the top level must be a mapping")
     try:
