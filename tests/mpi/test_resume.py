@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.mpi import finish, run_engine, start, tiny_batch, wait_for
+from tests.conftest import TINY
+from tests.helpers.mpi import Job, finish, run_batch, run_engine, start, tiny_batch, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -75,30 +76,44 @@ def as_if_interrupted(run_dir: Path) -> None:
     meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
 
 
-def test_resume_refuses_another_world_size_or_config(tiny_config, runs):
-    tmp_path = runs["refuse"]
-    as_if_interrupted(tmp_path / "tiny")
-    res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, runs):
+    """The resumes of this module that train nothing, in one batch on 2 ranks (tests/helpers/batch.py): of the
+    4-rank run (another world size: refused), of a complete run (nothing to do), of a run whose newest checkpoint
+    has a truncated file (refused). Returns (each resume's result, complete's summary.json bytes before)."""
+    config = tmp_path_factory.mktemp("resumed") / "tiny.yaml"
+    config.write_text(TINY)
+    as_if_interrupted(runs["refuse"] / "tiny")
+    as_if_interrupted(runs["damaged"] / "tiny")
+    latest = (runs["damaged"] / "tiny" / "checkpoints" / "latest").read_text().strip()
+    victim = runs["damaged"] / "tiny" / "checkpoints" / latest / "rank00001.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    before = (runs["complete"] / "tiny" / "summary.json").read_bytes()
+    jobs = {"refuse": Job(config, runs["refuse"], ["train.budget=20"], ["--resume"]),
+            "complete": Job(config, runs["complete"], ["train.budget=10"], ["--resume"]),
+            "damaged": Job(config, runs["damaged"], ["train.budget=20"], ["--resume"])}
+    return run_batch(2, jobs, timeout=600, check=False), before, victim
+
+
+def test_resume_refuses_another_world_size_or_config(tiny_config, runs, resumed):
+    res = resumed[0]["refuse"]
     assert res.returncode == 2 and "written by 4 ranks, this job has 2" in res.stderr
-    res = run_engine(4, tiny_config, tmp_path, "train.budget=20", "train.lr=0.5", extra=["--resume"], check=False)
+    res = run_engine(4, tiny_config, runs["refuse"], "train.budget=20", "train.lr=0.5", extra=["--resume"],
+                     check=False)
     assert res.returncode == 2 and "train.lr: checkpoint has 0.05, config has 0.5" in res.stderr
 
 
-def test_resume_of_a_complete_run_does_nothing(tiny_config, runs):
-    tmp_path = runs["complete"]
-    before = (tmp_path / "tiny" / "summary.json").read_bytes()
-    res = run_engine(2, tiny_config, tmp_path, "train.budget=10", extra=["--resume"])
+def test_resume_of_a_complete_run_does_nothing(runs, resumed):
+    results, before, _ = resumed
+    res = results["complete"]
+    assert res.returncode == 0, res.stderr[-2000:]
     assert "already complete" in res.stdout
-    assert (tmp_path / "tiny" / "summary.json").read_bytes() == before
+    assert (runs["complete"] / "tiny" / "summary.json").read_bytes() == before
 
 
-def test_damaged_checkpoint_is_named(tiny_config, runs):
-    tmp_path = runs["damaged"]
-    as_if_interrupted(tmp_path / "tiny")
-    latest = (tmp_path / "tiny" / "checkpoints" / "latest").read_text().strip()
-    victim = tmp_path / "tiny" / "checkpoints" / latest / "rank00001.pt"
-    victim.write_bytes(victim.read_bytes()[:100])
-    res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
+def test_damaged_checkpoint_is_named(resumed):
+    results, _, victim = resumed
+    res = results["damaged"]
     assert res.returncode == 2 and "rank00001.pt: damaged checkpoint file" in res.stderr
     assert "no intact checkpoint to resume from" in res.stderr and "the manifest says" in res.stderr
     assert "Traceback" not in res.stderr
