@@ -27,10 +27,11 @@ def describe(procs: List[psutil.Process], stack_chars: int = 3000) -> str:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     for pid in pids if Path(spy).exists() else []:
         try:
-            if b"python" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
+            argv = psutil.Process(int(pid)).cmdline()
+            if not argv or "python" not in argv[0]:
                 continue
             res = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
             out.append(f"--- py-spy dump --pid {pid} (innermost first)\n{res.stdout[:stack_chars]}{res.stderr[-300:]}")
-        except (subprocess.TimeoutExpired, OSError) as exc:
+        except (subprocess.TimeoutExpired, OSError, psutil.Error) as exc:
             out.append(f"--- py-spy dump --pid {pid}: {exc}")
     return "\n" + "\n".join(out)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from communities.tools import jobs
 from tests.helpers.mpi import LAUNCHER_HUNG, ROOT, consensus_weights, finish, initial_weights, mpi_env, run_engine
 from tests.helpers.openmpi import ompi_command, run_engine_ompi
 
@@ -275,8 +276,8 @@ def test_a_stop_after_the_writers_loss_checkpoints_and_the_survivors_resume(tmp_
     run = tmp_path / "stop"
     args = ["-m", "communities", "run", str(QUICKSTART), f"output.root={tmp_path}", "name=stop", SHRINK,
             "faults.kill={0: 12}", "faults.slow_max=0.15", "consensus.stop=false", "--no-progress"]
-    proc = subprocess.Popen(ompi_command(8, args, ulfm=True), cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = jobs.start(ompi_command(8, args, ulfm=True), cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         merges = run / "merges.jsonl"

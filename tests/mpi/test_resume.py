@@ -1,12 +1,12 @@
 """Checkpoints, collective stop on a signal or STOP file, and exact resume, under a real mpiexec."""
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from communities.tools import jobs
 from tests.conftest import TINY
 from tests.helpers.mpi import Job, finish, run_batch, run_engine, start, tiny_batch, wait_for
 
@@ -33,9 +33,11 @@ def identical(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def rank_pids(marker: str):
-    out = subprocess.run(["pgrep", "-f", f"communities run .*{marker}"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def last_rank(proc) -> int:
+    """The pid of the highest rank of a job started with ``start`` (its ranks found by their environment)."""
+    ranks = jobs.job_ranks(proc.pid)
+    assert ranks, "no rank processes found"
+    return ranks[max(ranks)]
 
 
 @pytest.mark.parametrize("how", ["signal", "stopfile"])
@@ -44,9 +46,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_config, run
     proc = start(4, tiny_config, cut, *LONG)
     wait_for(cut / "tiny" / "checkpoints" / "latest", proc)
     if how == "signal":
-        pids = rank_pids(str(cut))
-        assert pids, "no rank processes found"
-        os.kill(pids[-1], signal.SIGUSR1)  # one rank only: the stop must still be collective
+        os.kill(last_rank(proc), signal.SIGUSR1)  # one rank only: the stop must still be collective
     else:
         (cut / "tiny" / "STOP").touch()
     code, out, err = finish(proc)
@@ -129,7 +129,7 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, tiny
     run = tmp_path / "tiny"
     proc = start(4, tiny_config, tmp_path, *LONG)
     wait_for(run / "checkpoints" / "latest", proc)
-    os.kill(rank_pids(str(tmp_path))[-1], signal.SIGKILL)
+    os.kill(last_rank(proc), signal.SIGKILL)
     code, _, _ = finish(proc, timeout=120)
     assert code != 0
     # meta.json still says running; nobody holds the lock any more, and its heartbeat stops
