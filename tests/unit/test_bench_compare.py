@@ -237,3 +237,34 @@ def test_compare_report_marks_estimated_wall_times(tmp_path):
     assert agg["strategies"]["community"]["target"]["wall_measured"] == 1
     write_markdown(agg, tmp_path / "b.md", spec)
     assert "(est.)" in (tmp_path / "b.md").read_text()
+
+
+def test_spec_errors_name_the_file_the_case_and_the_key(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text("name: m\nbase: b.yaml\nstrategies: [community]\n"
+                    "cases:\n  - {name: a}\n  - {name: b, world_size: 0}\n")
+    with pytest.raises(SpecError, match=r"spec\.yaml: cases\[1\]: world_size: must be a positive integer \(got 0\)"):
+        load_specs(path)
+    base = {"name": "x", "base": "b.yaml"}
+    with pytest.raises(SpecError, match=r"unknown key 'strategies\[1\]\.strateg' \(did you mean 'strategy'\?\)"):
+        spec_from_dict({**base, "strategies": ["ring", {"name": "g", "strateg": "gossip"}]})
+    with pytest.raises(SpecError, match=r"strategies\[0\]: needs a name or a strategy"):
+        spec_from_dict({**base, "strategies": [{"overrides": ["a=1"]}]})
+    with pytest.raises(SpecError, match=r"processes: 3 does not divide world_size=8"):
+        spec_from_dict({**base, "strategies": ["ring"], "processes": 3})
+    with pytest.raises(SpecError, match=r"world_size: must be a positive integer \(got True\)"):
+        spec_from_dict({**base, "strategies": ["ring"], "world_size": True})
+    spec = spec_from_dict({**base, "strategies": ["ring", {"name": "g", "strategy": "gossip"}], "seeds": 3,
+                           "overrides": {"train.lr": 0.1, "data.groups": 2}})
+    assert [(a.label, a.strategy) for a in spec.arms] == [("ring", "ring"), ("g", "gossip")]
+    assert spec.seeds == [0, 1, 2] and spec.overrides == ["train.lr=0.1", "data.groups=2"]
+
+
+def test_markdown_tables_are_rendered_from_their_columns():
+    from communities.tools.compare.tables import Column, markdown, plain
+
+    cols = [Column("a", lambda r: str(r["a"])), Column("b b", lambda r: f"{r['b']:.1f}")]
+    rows = [{"a": 1, "b": 2.0}, {"a": 10, "b": 0.25}]
+    assert markdown(cols, rows, tail=lambda r: " !" if r["a"] > 5 else "") == [
+        "| a | b b |", "|---|---|", "| 1 | 2.0 |", "| 10 | 0.2 | !"]
+    assert plain(cols, rows) == "a   b b\n1   2.0\n10  0.2"
