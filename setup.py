@@ -1,7 +1,7 @@
 """Packaging for `communities`.
 
 The core install stays light: torch, numpy, scipy, scikit-learn, mpi4py, pyyaml,
-pydantic, tqdm. The MPI *library* is the user's choice: on a cluster use the
+pydantic, tqdm, greenlet, psutil. The MPI *library* is the user's choice: on a cluster use the
 system MPI that mpi4py was built against; on a laptop or CI the ``[mpich]`` extra
 brings a self-contained ``mpiexec`` from PyPI.
 """
@@ -38,6 +38,7 @@ setup(
         "pydantic>=2.4",
         "tqdm>=4.60",
         "greenlet>=2.0",  # populations: many replicas per MPI process (runtime/population.py)
+        "psutil>=5.9",  # a launched job's processes, to find its ranks and end all of it (tools/jobs.py)
     ],
     extras_require={
         "mpich": ["mpich"],

@@ -6,7 +6,7 @@ so derives the same tree and the same labels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 from scipy.cluster import hierarchy
@@ -413,7 +413,7 @@ def find_communities(
     return Communities(Z=Z, labels=labels, cut_height=height, distances=d)
 
 
-def adjusted_rand(labels: np.ndarray, groups: Optional[Sequence[int]]) -> Optional[float]:
+def adjusted_rand(labels: np.ndarray, groups: Union[Sequence[int], np.ndarray, None]) -> Optional[float]:
     """Adjusted Rand index of communities against planted groups (None without groups): 1 is a perfect recovery."""
     if groups is None:
         return None

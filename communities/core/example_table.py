@@ -305,6 +305,25 @@ def packet_sizes(n_examples: int, feature_numel: int, world: int, visited: str =
     return n * (f + 1), HEADER + n * (len(_INT_FIELDS) + form.width)
 
 
+def _selection_limit(candidates: int, count: Optional[int], fraction: Optional[float], byte_cap: Optional[int],
+                     bytes_per_example: Optional[int]) -> int:
+    """How many of ``candidates`` rows ``ExampleTable.hardest`` returns: the smallest of each limit given."""
+    limit = candidates
+    if count is not None:
+        if int(count) < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        limit = min(limit, int(count))
+    if fraction is not None:
+        if not 0.0 <= float(fraction) <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        limit = min(limit, int(math.floor(float(fraction) * candidates)))
+    if byte_cap is not None:
+        if bytes_per_example is None or int(bytes_per_example) <= 0:
+            raise ValueError("byte_cap needs bytes_per_example > 0 (see examples.example_bytes)")
+        limit = min(limit, max(0, int(byte_cap)) // int(bytes_per_example))
+    return limit
+
+
 def _checksum(floats_payload: np.ndarray, ints_payload: np.ndarray) -> int:
     c = zlib.crc32(np.ascontiguousarray(floats_payload).tobytes())
     return zlib.crc32(np.ascontiguousarray(ints_payload).tobytes(), c)
@@ -505,19 +524,7 @@ class ExampleTable:
         seen yet.
         """
         cand = np.flatnonzero((self.status == ACTIVE) & np.isfinite(self.confidence))
-        limit = cand.size
-        if count is not None:
-            if int(count) < 0:
-                raise ValueError(f"count must be >= 0, got {count}")
-            limit = min(limit, int(count))
-        if fraction is not None:
-            if not 0.0 <= float(fraction) <= 1.0:
-                raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-            limit = min(limit, int(math.floor(float(fraction) * cand.size)))
-        if byte_cap is not None:
-            if bytes_per_example is None or int(bytes_per_example) <= 0:
-                raise ValueError("byte_cap needs bytes_per_example > 0 (see examples.example_bytes)")
-            limit = min(limit, max(0, int(byte_cap)) // int(bytes_per_example))
+        limit = _selection_limit(cand.size, count, fraction, byte_cap, bytes_per_example)
         keys = [self.ids[cand], self.confidence[cand]]
         if prefer is not None:
             keys.append(self.has_visited(cand, prefer).astype(np.int8))
@@ -602,52 +609,65 @@ class ExampleTable:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """Tensors and plain ints only: loads with ``torch.load(weights_only=True)``."""
-        state: Dict[str, object] = {"version": STATE_VERSION, "world": self.world, "form": self.form.kind,
-                 "capacity": self.form.capacity, "forgetting_events": int(self.forgetting_events)}
-        for f in self._ROW_FIELDS:
-            a = getattr(self, f)
-            if f == "visited":
-                a = self.form.to_int64(a)
-            state[f] = torch.from_numpy(np.array(a, copy=True))
-        return state
+        """Tensors and plain ints only: loads with ``torch.load(weights_only=True)`` (``table_state``)."""
+        return table_state(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Replace this table's contents with a ``state_dict()``; ValueError on anything inconsistent."""
-        other = ExampleTable.from_state_dict(state)
+        other = table_from_state(state)
         self.form = other.form
         for f in self._ROW_FIELDS + ("forgetting_events",):
             setattr(self, f, getattr(other, f))
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "ExampleTable":
-        missing = [k for k in ("version", "world", "form", "capacity", "forgetting_events") + cls._ROW_FIELDS
-                   if k not in state]
-        if missing:
-            raise ValueError(f"example table state lacks {missing}")
-        if int(state["version"]) != STATE_VERSION:
-            raise ValueError(f"example table state version {state['version']}, expected {STATE_VERSION}")
-        kind = int(state["form"])
-        if kind not in (BITSET, RECENT):
-            raise ValueError(f"unknown visited form {kind}")
-        out = cls(state["ids"], state["labels"], int(state["world"]),
-                  visited="bitset" if kind == BITSET else "recent", capacity=max(1, int(state["capacity"])))
-        if kind == BITSET and int(state["capacity"]) != 0:
-            raise ValueError("bitset state with a non-zero capacity")
-        n = len(out)
-        dtypes = {"confidence": np.float32, "status": np.int8, "high_streak": np.int32, "reserve_age": np.int32,
-                  "forgets": np.int32, "evaluated": bool, "sampled": bool}
-        for f, dt in dtypes.items():
-            a = np.array(_numpy(state[f]), dtype=dt).reshape(-1)
-            if a.size != n:
-                raise ValueError(f"example table state: {f} has {a.size} entries, ids {n}")
-            setattr(out, f, a)
-        _check_rows(out.status.astype(np.int64), out.high_streak, out.reserve_age, out.forgets, out.confidence,
-                    "example table state")
-        out.visited = out.form.from_int64(np.array(_numpy(state["visited"]), dtype=np.int64).reshape(n, -1)
-                                          if n else np.zeros((0, out.form.width), np.int64), "example table state")
-        out.forgetting_events = int(state["forgetting_events"])
-        return out
+        return table_from_state(state)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def table_state(table: ExampleTable) -> dict:
+    """A table's checkpoint: tensors and plain ints only (``torch.load(weights_only=True)`` reads it)."""
+    state: Dict[str, object] = {"version": STATE_VERSION, "world": table.world, "form": table.form.kind,
+                                "capacity": table.form.capacity, "forgetting_events": int(table.forgetting_events)}
+    for f in ExampleTable._ROW_FIELDS:
+        a = getattr(table, f)
+        if f == "visited":
+            a = table.form.to_int64(a)
+        state[f] = torch.from_numpy(np.array(a, copy=True))
+    return state
+
+
+def table_from_state(state: dict) -> ExampleTable:
+    """The table a ``table_state`` holds; ValueError on anything inconsistent."""
+    missing = [k for k in ("version", "world", "form", "capacity", "forgetting_events") + ExampleTable._ROW_FIELDS
+               if k not in state]
+    if missing:
+        raise ValueError(f"example table state lacks {missing}")
+    if int(state["version"]) != STATE_VERSION:
+        raise ValueError(f"example table state version {state['version']}, expected {STATE_VERSION}")
+    kind = int(state["form"])
+    if kind not in (BITSET, RECENT):
+        raise ValueError(f"unknown visited form {kind}")
+    out = ExampleTable(state["ids"], state["labels"], int(state["world"]),
+                       visited="bitset" if kind == BITSET else "recent", capacity=max(1, int(state["capacity"])))
+    if kind == BITSET and int(state["capacity"]) != 0:
+        raise ValueError("bitset state with a non-zero capacity")
+    n = len(out)
+    dtypes = {"confidence": np.float32, "status": np.int8, "high_streak": np.int32, "reserve_age": np.int32,
+              "forgets": np.int32, "evaluated": bool, "sampled": bool}
+    for f, dt in dtypes.items():
+        a = np.array(_numpy(state[f]), dtype=dt).reshape(-1)
+        if a.size != n:
+            raise ValueError(f"example table state: {f} has {a.size} entries, ids {n}")
+        setattr(out, f, a)
+    _check_rows(out.status.astype(np.int64), out.high_streak, out.reserve_age, out.forgets, out.confidence,
+                "example table state")
+    out.visited = out.form.from_int64(np.array(_numpy(state["visited"]), dtype=np.int64).reshape(n, -1)
+                                      if n else np.zeros((0, out.form.width), np.int64), "example table state")
+    out.forgetting_events = int(state["forgetting_events"])
+    return out
 
 
 def _check_rows(status, high_streak, reserve_age, forgets, confidence, what: str) -> None:

@@ -292,7 +292,8 @@ class RunData:
         """
         from ..model_files import load_state_dict
 
-        files = self.meta.get("files") if isinstance(self.meta.get("files"), dict) else {}
+        listed = self.meta.get("files")
+        files = listed if isinstance(listed, dict) else {}
         meta_p = self.path / "meta.json"
 
         def one(rel: str) -> dict:

@@ -39,7 +39,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy.cluster import hierarchy
@@ -240,8 +240,8 @@ class _DendrogramCanvas:
     """
 
     def __init__(self) -> None:
-        self.fig = None
-        self.ax = None
+        self.fig: Any = None  # a matplotlib Figure once drawn
+        self.ax: Any = None
         self._size: Optional[Tuple[float, float]] = None
 
     def axes(self, w: float, h: float):
@@ -307,11 +307,10 @@ def _timeline_figure(view: RunView, out: Path, stem: str, svg: bool) -> List[str
     order = np.lexsort(S[::-1]) if R else np.arange(n)
     n_ids = int(S.max()) + 1
     cmap = ListedColormap(_palette(n_ids))
-    has_groups = view.groups is not None
     w, h = min(16.0, max(7.0, 0.18 * R + 3)), min(14.0, max(4.0, 0.12 * n + 1.5))
     fig = _figure(w, h)
     fig.subplots_adjust(left=0.55 / w, right=1 - 1.3 / w, bottom=0.75 / h, top=1 - 0.4 / h)
-    if has_groups:
+    if view.groups is not None:
         gs = fig.add_gridspec(1, 2, width_ratios=[0.35, w - 2.2], wspace=0.6 / w * 4,
                               left=0.2 / w, right=1 - 1.3 / w, bottom=0.75 / h, top=1 - 0.4 / h)
         gax, ax = fig.add_subplot(gs[0]), fig.add_subplot(gs[1])

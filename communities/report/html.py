@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import html
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from .figures import LARGE_WORLD, RunFigures
 from .load import RunView, community_model_rows, compress_counts, fmt, models_at_round, round_rows, summary_text
@@ -153,7 +153,7 @@ def _compare_table(views: Sequence[RunView]) -> str:
             if k not in keys:
                 keys.append(k)
     head = "<tr><th></th>" + "".join(f"<th>{_e(v.label)}</th>" for v in views) + "</tr>"
-    extra = [("status", [v.status for v in views]),
+    extra: List[Tuple[str, list]] = [("status", [v.status for v in views]),
              ("rounds read", [len(v.infos) for v in views]),
              ("communities per round", [compress_counts([int(k) for k in v.n_comm]) for v in views])]
     body = "".join(f'<tr><td class="k">{_e(k)}</td>' + "".join(f"<td>{_value_html(x)}</td>" for x in vals) + "</tr>"

@@ -598,9 +598,10 @@ def fmt(x, digits: int = 3) -> str:
     if isinstance(x, (int, np.integer)):
         return str(int(x))
     if isinstance(x, (float, np.floating)):
-        if not math.isfinite(x):
+        v = float(x)
+        if not math.isfinite(v):
             return "-"
-        if x != 0 and (abs(x) >= 1e5 or abs(x) < 10 ** -digits):
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 10 ** -digits):
             return f"{x:.{digits}g}"
         return f"{x:.{digits}f}".rstrip("0").rstrip(".")
     return str(x)

@@ -25,8 +25,8 @@ from . import launcher, ulfm
 from .launcher import mpi
 from .membership import Membership
 from .p2p import PointToPoint
-from .p2p import Tag as Tag  # (re-exported: the engine's parts tag their messages from here)
 from .staging import Staging
+from .tags import Tag as Tag  # (re-exported: the engine's parts tag their messages from here)
 from .ulfm import RankLost as RankLost  # (re-exported: the engine catches it from here)
 from .ulfm import ulfm_problem
 from .watchdog import RollCall, Watchdog, WatchedRequest

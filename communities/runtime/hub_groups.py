@@ -8,7 +8,7 @@ communicator made once at set-up. A group lying inside one process never reaches
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -16,9 +16,6 @@ import torch
 from ..core.groups import GroupLayout
 from ..core.placement import tree_sum
 from ..errors import Disagreement
-
-if TYPE_CHECKING:
-    from .population import Hub, ReplicaWorld
 
 
 @dataclass
@@ -37,13 +34,13 @@ class GroupOp:
 class GroupCalls:
     """What the members of each group in one process wait in, and how the hub completes it."""
 
-    def __init__(self, hub: "Hub", layout: GroupLayout, comm: Any = None):
+    def __init__(self, hub: Any, layout: GroupLayout, comm: Any = None):  # hub: population.Hub, which imports this
         self.hub, self.layout = hub, layout
         self.comm = comm  # a group spanning processes: a Subgroup of the processes hosting it (None: inside one)
         self.waiting: Dict[int, Dict[int, GroupOp]] = {}  # group -> its members here waiting in a call
 
     @classmethod
-    def set_up(cls, hub: "Hub", layout: GroupLayout) -> "GroupCalls":
+    def set_up(cls, hub: Any, layout: GroupLayout) -> "GroupCalls":
         """A group spanning processes gets a communicator of its processes (a Comm.Split of the processes)."""
         spans = layout.spans_processes(hub.placement.processes)
         return cls(hub, layout, hub.world.split(layout.group_of(hub.block[0])) if spans else None)
@@ -119,7 +116,7 @@ class HubGroup:
     memory over the members here, one MPI call among the processes where the group spans several). Bytes count
     as ``World``'s would, and as ``bytes_in_group``."""
 
-    def __init__(self, world: "ReplicaWorld", layout: GroupLayout):
+    def __init__(self, world: Any, layout: GroupLayout):
         self.world, self.layout = world, layout
         self.member = layout.member_of(world.rank)
         self.group = layout.group_of(world.rank)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .membership import Membership
+from .tags import Tag
 from .traffic import Traffic
 
 
@@ -124,8 +125,6 @@ class LogicalRanks(Traffic):
 
     def sendrecv_vector(self, send: np.ndarray, peer: int, tag: int) -> np.ndarray:
         """Exchange float64 vectors whose lengths differ: the lengths first, then one exchange."""
-        from .p2p import Tag
-
         send = np.ascontiguousarray(send, dtype=np.float64).reshape(-1)
         n = self.sendrecv_array(np.array([send.size], dtype=np.int64), peer, tag=Tag.VECTOR_SIZE)
         recv = np.empty(int(n[0]), dtype=np.float64)

@@ -1,12 +1,11 @@
 """Point-to-point calls between two logical ranks: the partners' exchanges, and the async protocol's messages.
 
-Every message has a ``Tag`` of its own kind. A blocking call is watched (``watchdog``); the bytes sent count as
-training traffic (a caller meters them otherwise: ``Traffic.metered``).
+Every message has a ``Tag`` (tags.py) of its own kind. A blocking call is watched (``watchdog``); the bytes sent
+count as training traffic (a caller meters them otherwise: ``Traffic.metered``).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from enum import IntEnum
 from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -16,20 +15,6 @@ from .logical import LogicalRanks
 from .membership import Membership
 from .staging import Staging
 from .watchdog import Watchdog
-
-
-class Tag(IntEnum):
-    """Point-to-point message tags: one per kind of message, so no two can be confused."""
-
-    HEADER = 1  # the exchange header (merge metadata) partners swap before the weights
-    WEIGHTS = 2  # the payload after the header: weights, optimizer moments, seen-at table (engine/mixing/exchange.py)
-    EXAMPLE_COUNT = 5  # hard-example passing: how many examples each side sends
-    EXAMPLE_FLOATS = 6  # ... their features and confidences
-    EXAMPLE_INTS = 7  # ... their labels, ids, states and visited sets
-    CONTROL = 9  # protocol async: pairing messages (kind, request id, unit, flags) and stop notices
-    SIG_VERSIONS = 10  # protocol async: the versions of a rank's signature table
-    SIGNATURES = 11  # protocol async: the signature rows a partner lacks
-    VECTOR_SIZE = 12  # the length of a variable-length buffer that follows
 
 
 class PointToPoint(LogicalRanks):

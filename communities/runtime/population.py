@@ -43,7 +43,7 @@ from .membership import Membership
 from .ulfm import RankLost
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
-TAG_KINDS = 16  # message kinds (``p2p.Tag``) below this: a network tag is (src, dst, kind)
+TAG_KINDS = 16  # message kinds (``tags.Tag``) below this: a network tag is (src, dst, kind)
 
 
 def refusal(cfg, processes: int) -> Optional[str]:

@@ -25,6 +25,7 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from ..errors import EXIT_USER, ConfigError
@@ -77,7 +78,7 @@ def reference(cfg, epsilon: float, seed: int, world: int) -> dict:
             opt.step()
             steps += 1
     wall = time.perf_counter() - start
-    module = model._module if hasattr(model, "_module") else model
+    module: nn.Module = getattr(model, "_module", model)  # under Opacus, the model it wraps
     acc, loss = train.evaluate(module, xt, yt)
     spent = math.inf
     if engine is not None:

@@ -40,6 +40,8 @@ def community_labels(Z: np.ndarray, k: Optional[int] = None, height: Optional[fl
 
     if k is not None:
         return clustering.cut_maxclust(Z, k)
+    if height is None:
+        raise ValueError("community_labels needs k or a height")
     return clustering.cut_distance(Z, float(height))
 
 
@@ -50,7 +52,7 @@ def load_snapshots(run_dir: Path, round_index: int, n: int):
     from ..engine.record.round_snapshots import SNAPSHOTS_DIR, snapshot_path
     from ..results import ResultsError
 
-    rows = []
+    rows: List[torch.Tensor] = []
     for rank in range(n):
         path = snapshot_path(run_dir, round_index, rank)
         if not path.is_file():

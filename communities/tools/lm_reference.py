@@ -28,7 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -203,6 +203,22 @@ def reference(cfg, world: int, batch: Optional[int] = None, eval_every: Optional
 
     say(f"{'step':>7} {'tokens':>12} {'lr':>9} {'train loss':>10} {'test loss':>9} {'bits/byte':>9} {'acc':>7}")
     score(0, 0, None, peaks[0] * (lr_share(tc, 0, plan.steps) if scheduled else 1.0))
+    seen, trained, cpu, wall = _train(model, opt, ds=ds, pool=pool, plan=plan, cfg=cfg, device=device, every=every,
+                                       score=score)
+    assert seen == plan.windows, (seen, plan.windows)
+    return _record(cfg, ds, plan, world=world, device=device, n_params=n_params, pool=pool, shard_sizes=shard_sizes,
+                   test_windows=int(len(yt)), every=every, trained=trained, cpu=cpu, wall=wall, curve=curve)
+
+
+def _train(model, opt, *, ds, pool: np.ndarray, plan: Plan, cfg, device: torch.device, every: int,
+           score: Callable[[int, int, Optional[float], float], Any]) -> Tuple[int, float, float, float]:
+    """The reference's steps, scored every ``every`` steps and after the last: (windows seen, seconds training,
+    CPU seconds training, wall seconds in all)."""
+    from ..workload import data, train
+
+    tc = cfg.train
+    peaks = [g["lr"] for g in opt.param_groups]
+    scheduled = train.scheduled(tc)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     trained = cpu = 0.0
     seen = 0
@@ -231,8 +247,14 @@ def reference(cfg, world: int, batch: Optional[int] = None, eval_every: Optional
             run_loss.zero_()
             run_n = 0
             tick, cpu_tick = time.perf_counter(), time.process_time()
-    wall = time.perf_counter() - start
-    assert seen == plan.windows, (seen, plan.windows)
+    return seen, trained, cpu, time.perf_counter() - start
+
+
+def _record(cfg, ds, plan: Plan, *, world: int, device: torch.device, n_params: int, pool: np.ndarray,
+            shard_sizes: List[int], test_windows: int, every: int, trained: float, cpu: float, wall: float,
+            curve: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """What ``--out`` holds, less the command line."""
+    tc = cfg.train
     last = curve[-1]
     return {
         "name": cfg.name, "dataset": cfg.data.dataset, "source": ds.text.source, "model": cfg.model.name,
@@ -240,7 +262,7 @@ def reference(cfg, world: int, batch: Optional[int] = None, eval_every: Optional
         "world_size": world, "strategy": cfg.strategy, "unit": tc.unit, "basis": plan.basis,
         "replica_batch_size": plan.replica_batch, "batch_size": plan.batch, "steps": plan.steps,
         "context": plan.context, "tokens": plan.tokens, "train_windows": int(len(pool)),
-        "shard_windows": shard_sizes, "test_windows": int(len(yt)), "bytes_per_token": bpt,
+        "shard_windows": shard_sizes, "test_windows": test_windows, "bytes_per_token": ds.text.bytes_per_token,
         "optimizer": tc.optimizer, "lr": tc.lr, "schedule": tc.schedule, "warmup": tc.warmup,
         "eval_every": every, "tokens_per_second": plan.tokens / trained if trained > 0 else None,
         "train_seconds": trained, "train_cpu_seconds": cpu, "wall_seconds": wall,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -36,47 +36,7 @@ from ..errors import DataError
 from . import plugins
 from . import shift as concept_shift
 from . import text as corpora
-
-if TYPE_CHECKING:
-    from .text import TextMeta
-
-
-@dataclass
-class Dataset:
-    x_train: np.ndarray  # float32 (n, ...) features
-    y_train: np.ndarray  # int64 (n,)
-    x_test: np.ndarray
-    y_test: np.ndarray
-    name: str
-    rank_groups: Optional[np.ndarray] = None  # declared by a user dataset: one group id per rank
-    example_groups: Optional[np.ndarray] = None  # ... or one per training example
-    sharded: bool = False  # a sharded reader's: x_train/y_train are this rank's shard, not the whole training set
-    classes: Optional[int] = None  # set when the labels seen here may not cover every class (a sharded reader's)
-    text: Optional["TextMeta"] = None  # a text corpus's (text.py): x are token windows, y the next tokens
-
-    @property
-    def sequence(self) -> bool:
-        """Whether examples are token windows and labels the next tokens (a language model's data)."""
-        return self.text is not None
-
-    @property
-    def n_classes(self) -> int:
-        if self.classes is not None:
-            return self.classes
-        return int(max(self.y_train.max(), self.y_test.max())) + 1
-
-    @property
-    def input_shape(self) -> Tuple[int, ...]:
-        return tuple(self.x_train.shape[1:])
-
-
-@dataclass
-class Shard:
-    """A rank's training data plus the planted group it belongs to (or None)."""
-
-    indices: np.ndarray  # into Dataset.x_train
-    group: Optional[int]
-
+from .dataset import Dataset, Shard, TextMeta, group_of_rank
 
 # --------------------------------------------------------------------------- datasets
 
@@ -121,8 +81,8 @@ def load_mnist1d(seed: int, samples: Optional[int] = None, root: Optional[str] =
         return (d["x"].astype(np.float32), d["y"].astype(np.int64),
                 d["x_test"].astype(np.float32), d["y_test"].astype(np.int64))
 
-    arrays = generate() if root is None else _cached(root, "mnist1d", _generator_key(args), generate)
-    return Dataset(*arrays, "mnist1d")
+    x, y, x_test, y_test = generate() if root is None else _cached(root, "mnist1d", _generator_key(args), generate)
+    return Dataset(x, y, x_test, y_test, "mnist1d")
 
 
 def _generator_key(args) -> str:
@@ -232,10 +192,10 @@ def load_user(spec: str, seed: int = 0, root: Optional[str] = None, rank: int = 
         declared = {k: _int_vector(spec, k, out[k]) for k in GROUP_KEYS if k in out}
         out = tuple(out[k] for k in names)
     if isinstance(out, (tuple, list)) and len(out) == 2:
-        sets = (("the training set", out[0]), ("the test set", out[1]))
-        for which, dataset in sets:
+        halves = (("the training set", out[0]), ("the test set", out[1]))
+        for which, dataset in halves:
             _check_set(spec, which, dataset)
-        out = sum((_read_set(spec, which, dataset) for which, dataset in sets), ())
+        out = sum((_read_set(spec, which, dataset) for which, dataset in halves), ())
     if not isinstance(out, (tuple, list)) or len(out) != 4:
         raise DataError(f"data.dataset={spec!r} must return (x_train, y_train, x_test, y_test), (train_set, "
                         f"test_set) or a dict with those keys, got {_kind(out)}")
@@ -434,11 +394,6 @@ def own_group(ds: Dataset, rank: int, world_size: int) -> Optional[int]:
 SHARDED = "sharded"  # partition.json's partition of a sharded reader: each rank read its own shard
 
 
-def group_of_rank(rank: int, world: int, groups: int) -> int:
-    """Contiguous blocks: ranks [0, N/G) are group 0, and so on."""
-    return rank * groups // world
-
-
 def partition(y: np.ndarray, world: int, kind: str, seed: int, alpha: float = 0.5, groups: int = 1,
               purity: float = 1.0) -> List[Shard]:
     """All N shards (disjoint index sets covering the training set). Same result on every rank."""
@@ -471,11 +426,11 @@ def partition(y: np.ndarray, world: int, kind: str, seed: int, alpha: float = 0.
             n_own = int(round(purity * len(idx)))
             inside = np.flatnonzero(rank_group == g)
             outside = np.flatnonzero(rank_group != g)
-            for r, part in zip(inside, np.array_split(idx[:n_own], len(inside))):
-                owners[r].extend(part.tolist())
+            for member, part in zip(inside, np.array_split(idx[:n_own], len(inside))):
+                owners[member].extend(part.tolist())
             if len(outside):
-                for r, part in zip(outside, np.array_split(idx[n_own:], len(outside))):
-                    owners[r].extend(part.tolist())
+                for other, part in zip(outside, np.array_split(idx[n_own:], len(outside))):
+                    owners[other].extend(part.tolist())
             else:
                 owners[inside[0]].extend(idx[n_own:].tolist())
         shards = [Shard(np.sort(np.array(o, dtype=np.int64)), int(rank_group[r])) for r, o in enumerate(owners)]
@@ -504,7 +459,7 @@ def rows(a: np.ndarray, indices) -> torch.Tensor:
 
 def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
              label_counts: Optional[List[List[int]]] = None, local_test_sizes: Optional[List[int]] = None,
-             shift: str = "none", text: Optional["TextMeta"] = None, n_groups: int = 0) -> dict:
+             shift: str = "none", text: Optional[TextMeta] = None, n_groups: int = 0) -> dict:
     """The ``partition.json`` record (a sharded reader's: ``label_counts`` gathered from every rank; ``shift`` and
     ``local_test_sizes`` only when those are on; a text corpus's domains, its label counts left out: a vocabulary
     of counts per rank says little and weighs much)."""
@@ -513,7 +468,7 @@ def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
     elif label_counts is None:
         n_classes = int(np.max(y)) + 1
         label_counts = [np.bincount(y[s.indices], minlength=n_classes).tolist() for s in shards]
-    groups = None if shards[0].group is None else [int(s.group) for s in shards]
+    groups = None if shards[0].group is None else np.array([s.group for s in shards], dtype=np.int64).tolist()
     sizes = [int(s.indices.size) for s in shards]
     out = {
         "partition": kind,

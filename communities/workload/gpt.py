@@ -39,7 +39,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token ids (batch, time) to next-token logits (batch, time, vocab)."""
 
-    def __init__(self, vocab: int, context: int, layers: int = 4, heads: int = 4, embed: int = 128,
+    def __init__(self, vocab: int, context: int, *, layers: int = 4, heads: int = 4, embed: int = 128,
                  dropout: float = 0.0):
         super().__init__()
         self.context = context

@@ -10,7 +10,7 @@ model, so an exchange sends it as one buffer with no packing, and a merge is one
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -20,10 +20,11 @@ from . import plugins
 
 
 class MLP(nn.Module):
-    def __init__(self, in_features: int, n_classes: int, hidden: Sequence[int] = (64,), dropout: float = 0.0,
+    def __init__(self, in_features: int, n_classes: int, hidden: Sequence[int] = (64,), *, dropout: float = 0.0,
                  batchnorm: bool = False):
         super().__init__()
-        layers, width = [nn.Flatten()], in_features
+        layers: List[nn.Module] = [nn.Flatten()]
+        width = in_features
         for h in hidden:
             layers.append(nn.Linear(width, h))
             if batchnorm:
@@ -42,11 +43,11 @@ class MLP(nn.Module):
 class CNN1D(nn.Module):
     """The MNIST-1D paper's ConvBase: three stride-2 convolutions and a linear head (~94% centrally)."""
 
-    def __init__(self, length: int, n_classes: int, channels: int = 25, batchnorm: bool = False):
+    def __init__(self, length: int, n_classes: int, channels: int = 25, *, batchnorm: bool = False):
         super().__init__()
 
         def block(cin, k):
-            mods = [nn.Conv1d(cin, channels, k, stride=2, padding=1)]
+            mods: List[nn.Module] = [nn.Conv1d(cin, channels, k, stride=2, padding=1)]
             if batchnorm:
                 mods.append(nn.BatchNorm1d(channels))
             mods.append(nn.ReLU())
@@ -73,14 +74,14 @@ def build(cfg, input_shape: Tuple[int, ...], n_classes: int) -> nn.Module:
     for s in input_shape:
         features *= int(s)
     if cfg.name == "mlp":
-        return MLP(features, n_classes, cfg.hidden, cfg.dropout, cfg.batchnorm)
+        return MLP(features, n_classes, cfg.hidden, dropout=cfg.dropout, batchnorm=cfg.batchnorm)
     if cfg.name == "cnn1d":
-        return CNN1D(features, n_classes, cfg.channels, cfg.batchnorm)
+        return CNN1D(features, n_classes, cfg.channels, batchnorm=cfg.batchnorm)
     if cfg.name == "gpt":
         from .gpt import GPT
 
         g = cfg.gpt
-        return GPT(n_classes, int(input_shape[0]), g.layers, g.heads, g.embed, cfg.dropout)
+        return GPT(n_classes, int(input_shape[0]), layers=g.layers, heads=g.heads, embed=g.embed, dropout=cfg.dropout)
     key = "model.name"
     fn = plugins.resolve(cfg.name, key, ModelError)
     offered = {"input_shape": tuple(int(s) for s in input_shape), "n_classes": int(n_classes)}

@@ -14,7 +14,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Callable, Dict, List, Sequence, Type
+from typing import Callable, Dict, List, Mapping, Sequence, Type
 
 from ..errors import UserError
 
@@ -66,7 +66,7 @@ def resolve(spec: str, key: str, error: Type[UserError]) -> Callable:
     return fn
 
 
-def keywords(fn: Callable, offered: Dict[str, object], spec: str, key: str, expected: str,
+def keywords(fn: Callable, offered: Mapping[str, object], spec: str, key: str, expected: str,
              error: Type[UserError], required: Sequence[str] = ()) -> Dict[str, object]:
     """The subset of ``offered`` that ``fn`` accepts as keywords; ``error`` if it needs anything else.
 

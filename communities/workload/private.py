@@ -173,7 +173,8 @@ class PrivateGradient:
                 F.cross_entropy(self.model(xb), yb, reduction="sum").backward()
             sq = torch.zeros(len(yb), dtype=torch.float64, device=yb.device)
             for p in self.params:
-                sq += torch.linalg.vector_norm(p.grad_sample.reshape(len(yb), -1), dim=1).double().square()
+                sample = p.grad_sample  # type: ignore[attr-defined]  # Opacus's hooks set it
+                sq += torch.linalg.vector_norm(sample.reshape(len(yb), -1), dim=1).double().square()
         finally:
             hooked.remove_hooks()
             hooked.set_grad_sample_to_none()
@@ -211,6 +212,7 @@ class PrivateGradient:
             offset = 0
             for p in self.params:
                 n = p.numel()
+                assert p.grad is not None  # (set above)
                 p.grad.add_(z[offset: offset + n].view_as(p).to(p.grad.device, p.grad.dtype), alpha=std)
                 offset += n
         return out, loss

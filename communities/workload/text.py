@@ -24,27 +24,16 @@ import hashlib
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import DataError
+from .dataset import Dataset, Shard, TextMeta, group_of_rank
 
 SOURCES = ("pystdlib", "text", "tokens")
 TOP = "(top)"  # the domain of files directly under the root
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-@dataclass(frozen=True)
-class TextMeta:
-    """What the partitions and the reports need to know of a corpus."""
-
-    domains: Tuple[str, ...]  # domain names, sorted
-    window_domain: np.ndarray  # the domain id of every training window
-    domain_bytes: np.ndarray  # training tokens per domain (bytes, for a byte corpus)
-    bytes_per_token: Optional[float]  # 1 for bytes; a token corpus's only when data.lm.bytes_per_token is set
-    source: str  # where it was read from, for the logs
 
 
 # --------------------------------------------------------------------------- files
@@ -104,8 +93,6 @@ def read_bytes(root: str, files: Sequence[str], context: int, test_fraction: flo
                test_windows: Optional[int], name: str, source: str):
     """A byte corpus as a ``data.Dataset``: the training windows of every domain (each domain's files concatenated
     in path order, cut to its share of ``max_bytes``), and at most ``test_windows`` windows of the held-out files."""
-    from .data import Dataset
-
     by_domain: dict = {}
     held: List[bytes] = []
     for rel in files:
@@ -170,8 +157,6 @@ def load_tokens(root: Optional[str], context: int, vocab: Optional[int], bytes_p
                 test_windows: Optional[int]):
     """nanoGPT's ``train.bin`` / ``val.bin`` (uint16 token ids) as windows of memmaps: nothing read here but the
     largest id when ``data.lm.vocab`` is not given, in chunks."""
-    from .data import Dataset
-
     where = _root(root, "tokens")
     arrays = []
     for f in ("train.bin", "val.bin"):
@@ -239,11 +224,9 @@ def domain_groups(domain_bytes: np.ndarray, groups: int) -> np.ndarray:
 
 
 def partition(meta: TextMeta, world: int, kind: str, groups: int):
-    """All N shards of a corpus's training windows (``data.Shard``s): ``iid`` deals the windows round-robin;
+    """All N shards of a corpus's training windows (``dataset.Shard``s): ``iid`` deals the windows round-robin;
     ``by_domain`` gives each of ``groups`` contiguous blocks of ranks whole domains (``domain_groups``) and deals
     each group's windows round-robin among its ranks."""
-    from .data import Shard, group_of_rank
-
     n = len(meta.window_domain)
     if n < world:
         raise DataError(f"the corpus has {n} training windows, fewer than the {world} replicas; lower "

@@ -7,7 +7,7 @@ sits in virtual time: the same on a resumed run as on an uninterrupted one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import Callable, Optional, Protocol, Tuple
 
 import numpy as np
 import torch
@@ -17,8 +17,18 @@ from torch.nn import functional as F
 from ..core import protocol
 from ..core import schedule as schedules
 
-if TYPE_CHECKING:
-    from .private import PrivateGradient
+
+class PrivateSteps(Protocol):
+    """What a training step asks of DP-SGD (``private.PrivateGradient``, privacy.enabled): whether batches are
+    Poisson samples, the unit's noise stream, and a backward that leaves the clipped, noised gradient."""
+
+    poisson: bool
+
+    def generator(self, t: int) -> torch.Generator: ...
+
+    def backward(self, xb: torch.Tensor, yb: torch.Tensor, denom: float, opt: torch.optim.Optimizer,
+                 gen: torch.Generator, set_to_none: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        ...
 
 
 def make_optimizer(cfg, params) -> torch.optim.Optimizer:
@@ -119,7 +129,7 @@ def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Option
 def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg, seed: int,
                rank: int, t: int, steps: Optional[int] = None, grad_sync: Optional[Callable[[], None]] = None,
                between_batches: Optional[Callable[[int], None]] = None,
-               private: Optional["PrivateGradient"] = None) -> UnitResult:
+               private: Optional[PrivateSteps] = None) -> UnitResult:
     """Train one unit; returns mean loss and accuracy over the unit's batches.
 
     ``steps`` fixes the number of steps (else one epoch, or ``cfg.steps_per_unit``

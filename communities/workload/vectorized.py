@@ -18,7 +18,7 @@ SGD (momentum, Nesterov, weight decay) or AdamW computed as ``torch.optim``
 computes them, on flat per-replica state, convertible to and from each
 replica's ``torch.optim`` state dict (checkpoints, ``merge.optimizer_state``).
 Per-replica hyperparameters (population-based training) come from each member's
-optimizer ``param_groups`` (``train_members`` hands them to ``StackedTrainer.set_rows``);
+optimizer ``param_groups`` (``train_members`` hands them to ``StackedOptimizer.set_rows``);
 when they all equal the shared config, the scalar step runs, bitwise as before.
 
 Equal within a tolerance, not bitwise: the batched kernels sum in another order
@@ -110,7 +110,7 @@ def dry_run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, name: Optional[s
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     cfg = SimpleNamespace(optimizer="sgd", lr=0.0, momentum=0.0, nesterov=False, weight_decay=0.0,
                           betas=[0.9, 0.999], batch_size=max(len(y), 1), unit="epoch", steps_per_unit=1)
-    trainer = StackedTrainer(model, torch.stack([flat, flat]), cfg, name)
+    trainer = StackedTrainer(model, torch.stack([flat, flat]), cfg, name=name)
     mask = torch.ones(2, len(y), dtype=flat.dtype)
     trainer._dry_run(torch.stack([x, x]), torch.stack([y, y]), mask, mask.sum(1))
 
@@ -128,7 +128,7 @@ class StackedTrainer:
     batch_size, unit, steps_per_unit).
     """
 
-    def __init__(self, model: nn.Module, flats: torch.Tensor, cfg: Any, name: Optional[str] = None):
+    def __init__(self, model: nn.Module, flats: torch.Tensor, cfg: Any, *, name: Optional[str] = None):
         self.name = name or type(model).__name__
         reason = unsupported_reason(model)
         if reason is not None:
@@ -150,18 +150,9 @@ class StackedTrainer:
         self.n_params = off
         if flats.shape[1] < off:
             raise ConfigError(f"{KEY}: the stacked weights have {flats.shape[1]} columns, the model {off} parameters")
-        if cfg.optimizer not in ("sgd", "adamw"):
-            raise ConfigError(f"train.optimizer={cfg.optimizer!r} is not one of sgd, adamw")
-        # torch.optim's param_groups, for state dicts in its own format
-        self._groups = train.make_optimizer(cfg, [p.detach().clone() for p in model.parameters()]
-                                            ).state_dict()["param_groups"]
         self.randomness = "different" if _has_dropout(model) else "error"
-        R, P, dt, dev = self.R, self.n_params, flats.dtype, flats.device
-        self.has_state = torch.zeros(R, dtype=torch.bool, device=dev)  # False: torch.optim's empty state
-        self.momentum = torch.zeros(R, P, dtype=dt, device=dev)  # SGD momentum_buffer / AdamW exp_avg
-        self.second = torch.zeros(R, P, dtype=dt, device=dev) if cfg.optimizer == "adamw" else None  # exp_avg_sq
-        self.step = torch.zeros(R, dtype=torch.float64, device=dev)  # AdamW step count
-        self._rows: Optional[_Rows] = None  # per-replica hyperparameters (set_rows); None: the cfg scalars
+        self.optimizer = StackedOptimizer(model, flats, cfg, names=self.names, shapes=self.shapes,
+                                          offsets=self.offsets)
         self._checked = False
         self._cache: Optional[Tuple[Tuple[int, ...], torch.Tensor, torch.Tensor, List[int]]] = None
         self._keep: Tuple[List[torch.Tensor], List[torch.Tensor]] = ([], [])
@@ -303,13 +294,36 @@ class StackedTrainer:
                     g = (summed / group_size).repeat_interleave(local, dim=0)
                 active = None if bool((sizes[k] > 0).all()) else size_t[k] > 0
                 with torch.no_grad():
-                    self._optimizer_step(g, active)
+                    self.optimizer.update(g, active)
                     total_loss += loss.double() * size_t[k]
                     correct += ((out.argmax(-1) == yb) & mask).sum(1)
         seen = sizes.sum(0) if K else np.zeros(R, dtype=np.int64)
         n_steps = (sizes > 0).sum(0) if K else np.zeros(R, dtype=np.int64)
         return [train.UnitResult(lo / max(n, 1), c / max(n, 1), n, k) for lo, c, n, k in
                 zip(total_loss.tolist(), correct.tolist(), seen.tolist(), n_steps.tolist())]
+
+class StackedOptimizer:
+    """SGD (momentum, Nesterov, weight decay) or AdamW on the rows of a ``StackedTrainer``'s weights, as
+    ``torch.optim`` computes them for each replica: flat (R, P) moments, each row convertible to and from the
+    replica's own ``torch.optim`` state dict, and per-replica hyperparameters (``set_rows``)."""
+
+    def __init__(self, model: nn.Module, flats: torch.Tensor, cfg: Any, *, names: List[str],
+                 shapes: List[Tuple[int, ...]], offsets: List[int]):
+        if cfg.optimizer not in ("sgd", "adamw"):
+            raise ConfigError(f"train.optimizer={cfg.optimizer!r} is not one of sgd, adamw")
+        self.flats, self.cfg = flats, cfg
+        self.names, self.shapes, self.offsets = names, shapes, offsets
+        self.R = flats.shape[0]
+        self.n_params = sum(int(np.prod(sh, dtype=np.int64)) for sh in shapes)
+        # torch.optim's param_groups, for state dicts in its own format
+        self._groups = train.make_optimizer(cfg, [p.detach().clone() for p in model.parameters()]
+                                            ).state_dict()["param_groups"]
+        R, P, dt, dev = self.R, self.n_params, flats.dtype, flats.device
+        self.has_state = torch.zeros(R, dtype=torch.bool, device=dev)  # False: torch.optim's empty state
+        self.momentum = torch.zeros(R, P, dtype=dt, device=dev)  # SGD momentum_buffer / AdamW exp_avg
+        self.second = torch.zeros(R, P, dtype=dt, device=dev) if cfg.optimizer == "adamw" else None  # exp_avg_sq
+        self.step = torch.zeros(R, dtype=torch.float64, device=dev)  # AdamW step count
+        self._rows: Optional[_Rows] = None  # per-replica hyperparameters (set_rows); None: the cfg scalars
 
     def set_rows(self, groups: Optional[Sequence[Mapping[str, Any]]]) -> bool:
         """Each replica's own hyperparameters, one torch.optim param group (or a dict with its keys) per row:
@@ -337,10 +351,10 @@ class StackedTrainer:
         """Replica r's SGD momentum (the cfg's, or its own after set_rows)."""
         return float(self.cfg.momentum) if self._rows is None else float(self._rows.momentum[r])
 
-    def _optimizer_step(self, g: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+    def update(self, g: torch.Tensor, active: Optional[torch.Tensor]) -> None:
         """One step of every active replica, as torch.optim computes it; inactive rows are left untouched."""
         if self._rows is not None:
-            self._optimizer_step_rows(g, active, self._rows)
+            self._update_rows(g, active, self._rows)
             return
         cfg, w = self.cfg, self.flats[:, : self.n_params]
         if cfg.optimizer == "sgd":
@@ -375,8 +389,8 @@ class StackedTrainer:
         self._put(self.second, v, active)
         self._put(w, new_w, active)
 
-    def _optimizer_step_rows(self, g: torch.Tensor, active: Optional[torch.Tensor], rows: "_Rows") -> None:
-        """``_optimizer_step`` with each row's own hyperparameters, (R, 1) columns: what torch.optim computes
+    def _update_rows(self, g: torch.Tensor, active: Optional[torch.Tensor], rows: "_Rows") -> None:
+        """``update`` with each row's own hyperparameters, (R, 1) columns: what torch.optim computes
         for each replica with its own param group (within float rounding)."""
         w = self.flats[:, : self.n_params]
         dt = w.dtype
@@ -491,7 +505,7 @@ class StackedTrainer:
         self.has_state[r] = True
 
     def state_dict(self) -> Dict[str, Any]:
-        """Every replica's optimizer state, stacked (a checkpoint of this trainer)."""
+        """Every replica's optimizer state, stacked (a checkpoint of this optimizer)."""
         return {"has_state": self.has_state.clone(), "momentum": self.momentum.clone(), "step": self.step.clone(),
                 "second": None if self.second is None else self.second.clone()}
 
@@ -501,6 +515,7 @@ class StackedTrainer:
         self.step.copy_(state["step"])
         if self.second is not None:
             self.second.copy_(state["second"])
+
 
 
 @dataclass
@@ -594,7 +609,7 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
             ms.append(m)
         opts = [train.make_optimizer(cfg, m.parameters()) for m in ms]
         flats = torch.stack([torch.cat([p.detach().reshape(-1) for p in template.parameters()])] * R)
-        trainer = StackedTrainer(template, flats, cfg, "mlp")
+        trainer = StackedTrainer(template, flats, cfg, name="mlp")
         ranks = list(range(R))
         seq = vec = 0.0
         for t in range(units + 1):  # unit 0 warms both paths up (and runs the dry run)
@@ -634,60 +649,60 @@ def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int,
     """Unit t of every member as one stacked model: their weights and optimizer states are copied in, trained,
     and copied back into each member's own buffers (a checkpoint, a merge or an exchange sees them as always).
 
-    Each member's hyperparameters are its optimizer's ``param_groups[0]`` (``StackedTrainer.set_rows``): equal to
+    Each member's hyperparameters are its optimizer's ``param_groups[0]`` (``StackedOptimizer.set_rows``): equal to
     the trainer's cfg, the scalar step runs; otherwise every row steps with its own.
     Returns each member's (result, its share of the seconds the stacked step took).
     """
     start = time.perf_counter()
     n = trainer.n_params
-    trainer.set_rows([m.opt.param_groups[0] for m in members])  # each member's own lr, momentum, ... (PBT)
+    trainer.optimizer.set_rows([m.opt.param_groups[0] for m in members])  # each member's own lr, momentum, ... (PBT)
     with torch.no_grad():
         for r, m in enumerate(members):
             trainer.flats[r].copy_(m.flat[:n])
-            _state_in(trainer, r, m)
+            _state_in(trainer.optimizer, r, m)
     results = trainer.train_unit([m.x for m in members], [m.y for m in members], [m.rank for m in members],
                                  seed, t, steps, group_size=group_size, across=across)
     with torch.no_grad():
         for r, m in enumerate(members):
             m.flat[:n].copy_(trainer.flats[r])
-            _state_out(trainer, r, m)
+            _state_out(trainer.optimizer, r, m)
     share = (time.perf_counter() - start) / max(len(members), 1)
     return [(res, share) for res in results]
 
 
-def _state_in(trainer: StackedTrainer, r: int, m: Member) -> None:
-    """Member r's torch.optim state into the trainer's rows (none yet: its first step starts it, as torch's)."""
-    sgd = trainer.cfg.optimizer == "sgd"
+def _state_in(stacked: StackedOptimizer, r: int, m: Member) -> None:
+    """Member r's torch.optim state into the stacked rows (none yet: its first step starts it, as torch's)."""
+    sgd = stacked.cfg.optimizer == "sgd"
     params = list(m.model.parameters())
     states = [m.opt.state.get(p) for p in params]
     if not all(states) or (sgd and any(s.get("momentum_buffer") is None for s in states)):  # type: ignore[union-attr]
-        trainer.has_state[r] = False
+        stacked.has_state[r] = False
         return
-    for st, o, p in zip(states, trainer.offsets, params):
+    for st, o, p in zip(states, stacked.offsets, params):
         k = p.numel()
         assert st is not None
         if sgd:
-            trainer.momentum[r, o: o + k].copy_(st["momentum_buffer"].reshape(-1))
+            stacked.momentum[r, o: o + k].copy_(st["momentum_buffer"].reshape(-1))
         else:
-            assert trainer.second is not None
-            trainer.momentum[r, o: o + k].copy_(st["exp_avg"].reshape(-1))
-            trainer.second[r, o: o + k].copy_(st["exp_avg_sq"].reshape(-1))
-            trainer.step[r] = float(st["step"])
-    trainer.has_state[r] = True
+            assert stacked.second is not None
+            stacked.momentum[r, o: o + k].copy_(st["exp_avg"].reshape(-1))
+            stacked.second[r, o: o + k].copy_(st["exp_avg_sq"].reshape(-1))
+            stacked.step[r] = float(st["step"])
+    stacked.has_state[r] = True
 
 
-def _state_out(trainer: StackedTrainer, r: int, m: Member) -> None:
-    """The trainer's rows back into member r's torch.optim state, in torch's own keys and types."""
-    if not bool(trainer.has_state[r]):
+def _state_out(stacked: StackedOptimizer, r: int, m: Member) -> None:
+    """The stacked optimizer's rows back into member r's torch.optim state, in torch's own keys and types."""
+    if not bool(stacked.has_state[r]):
         return
-    sgd = trainer.cfg.optimizer == "sgd"
-    if sgd and trainer.row_momentum(r) == 0:  # torch keeps (and touches) no buffer without momentum
+    sgd = stacked.cfg.optimizer == "sgd"
+    if sgd and stacked.row_momentum(r) == 0:  # torch keeps (and touches) no buffer without momentum
         return
-    for p, o in zip(m.model.parameters(), trainer.offsets):
+    for p, o in zip(m.model.parameters(), stacked.offsets):
         k = p.numel()
         st = m.opt.state[p]
-        rows = {"momentum_buffer": trainer.momentum} if sgd else {"exp_avg": trainer.momentum,
-                                                                  "exp_avg_sq": trainer.second}
+        rows = {"momentum_buffer": stacked.momentum} if sgd else {"exp_avg": stacked.momentum,
+                                                                  "exp_avg_sq": stacked.second}
         for key, src in rows.items():
             assert src is not None
             value = src[r, o: o + k].view_as(p)
@@ -696,4 +711,4 @@ def _state_out(trainer: StackedTrainer, r: int, m: Member) -> None:
             else:
                 st[key].copy_(value)
         if not sgd:
-            st["step"] = torch.tensor(float(trainer.step[r]), dtype=torch.float32)
+            st["step"] = torch.tensor(float(stacked.step[r]), dtype=torch.float32)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,17 +12,15 @@ from typing import Dict, NamedTuple, Sequence
 
 import pytest
 
+from communities.tools import jobs
 from tests.helpers import stacks
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository root
+ROOT = jobs.ROOT  # the repository root
 
 
 def mpiexec() -> str:
-    """The mpiexec that belongs to this interpreter's environment, else the one on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    """The mpiexec that belongs to this interpreter's environment, else the one on PATH (``jobs.find_mpiexec``)."""
+    found = jobs.find_mpiexec()
     if not found:
         pytest.skip("no mpiexec found: pip install mpich, or install a system MPI")
     return found
@@ -57,12 +54,12 @@ def communicate(proc: subprocess.Popen, timeout: float, launcher_may_hang: bool 
             now = time.monotonic()
             if now > deadline:
                 raise
-            if not launcher_may_hang or not stacks.only_leader_left(proc.pid):
+            if not launcher_may_hang or not jobs.only_leader_left(proc.pid):
                 alone_since = None
                 continue
             alone_since = alone_since or now
             if now - alone_since > ORPHANED_LAUNCHER_S:
-                stacks.kill_session(proc.pid)
+                jobs.end(proc)
                 out, err = proc.communicate()
                 note = (f"[tests] {proc.args[0]} outlived every rank by {ORPHANED_LAUNCHER_S:.0f}s and was killed "
                         f"(exit {LAUNCHER_HUNG})")
@@ -75,13 +72,13 @@ def run_command(cmd, timeout: float, what: str, cwd=None, check: bool = True, en
     """Run an ``mpiexec`` command line in its own session; kill the whole session on timeout (no hang),
     then call ``on_timeout`` (for ranks that left the session). ``launcher_may_hang``: see ``communicate``
     (``check`` then accepts LAUNCHER_HUNG as well as 0)."""
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=mpi_env(**(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = jobs.start(cmd, cwd=cwd or ROOT, env=mpi_env(**(env or {})), stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
     try:
         code, out, err = communicate(proc, timeout, launcher_may_hang)
     except subprocess.TimeoutExpired:
-        where = stacks.describe(stacks.in_session(proc.pid))  # before the kill: where each process waited
-        stacks.kill_session(proc.pid)
+        where = stacks.describe(jobs.job_processes(proc.pid))  # before the kill: where each process waited
+        jobs.end(proc)
         if on_timeout is not None:
             on_timeout()
         out, err = proc.communicate()
@@ -95,10 +92,8 @@ def run_command(cmd, timeout: float, what: str, cwd=None, check: bool = True, en
 def mpi_command(n: int, args, program=None) -> list:
     """``mpiexec -n N python ARGS`` (or ``PROGRAM ARGS``) of this environment (Open MPI: oversubscribed, root
     allowed)."""
-    cmd = [mpiexec(), "-n", str(n)]
-    if "Open MPI" in _mpi_flavour():
-        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-    return cmd + [str(program or sys.executable)] + [str(a) for a in args]
+    exe = mpiexec()
+    return [exe, "-n", str(n), *jobs.launcher_flags(exe), str(program or sys.executable)] + [str(a) for a in args]
 
 
 def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True,
@@ -106,19 +101,6 @@ def run_mpi(n: int, args, timeout: float = 240, cwd=None, check: bool = True,
     """Run ``python ARGS`` (or ``PROGRAM ARGS``) on n ranks; kill the whole process group on timeout so nothing
     hangs."""
     return run_command(mpi_command(n, args, program), timeout, f"mpiexec -n {n} {args}", cwd=cwd, check=check)
-
-
-_FLAVOUR = None
-
-
-def _mpi_flavour() -> str:
-    global _FLAVOUR
-    if _FLAVOUR is None:
-        try:
-            _FLAVOUR = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30).stdout
-        except Exception:
-            _FLAVOUR = ""
-    return _FLAVOUR
 
 
 def engine_args(config, root: Path, *overrides, extra=()) -> list:
@@ -247,10 +229,8 @@ def initial_mean_and_final(config_path: Path, n: int, run_dir: Path):
 
 def start(n, config, root, *overrides):
     """``communities run CONFIG output.root=ROOT overrides...`` on n ranks, in the background (its own session)."""
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "communities", "run", str(config),
-           f"output.root={root}", "--no-progress", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = mpi_command(n, ["-m", "communities", "run", config, f"output.root={root}", "--no-progress", *overrides])
+    return jobs.start(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for(path: Path, proc, timeout=120):
@@ -267,7 +247,7 @@ def finish(proc, timeout=240, launcher_may_hang: bool = False):
     try:
         return communicate(proc, timeout, launcher_may_hang)
     except subprocess.TimeoutExpired:
-        where = stacks.describe(stacks.in_session(proc.pid))  # before the kill: where each process waited
-        stacks.kill_session(proc.pid)
+        where = stacks.describe(jobs.job_processes(proc.pid))  # before the kill: where each process waited
+        jobs.end(proc)
         proc.communicate()
         raise AssertionError(f"the job did not end in {timeout}s{where}") from None

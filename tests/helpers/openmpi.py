@@ -23,7 +23,8 @@ from typing import Sequence
 
 import pytest
 
-from . import stacks
+from communities.tools import jobs
+
 from .mpi import ROOT, run_command
 from .slurm_cluster import in_ci
 
@@ -48,9 +49,8 @@ def ompi_python() -> Path:
 def ompi_command(n: int, args: Sequence[str], ulfm: bool = False, own_sessions: bool = False) -> list:
     """``mpiexec -n N [ULFM flags] python ARGS`` of the Open MPI environment (oversubscribed; as root allowed)."""
     python = ompi_python()
-    cmd = [str(python.parent / "mpiexec"), "-n", str(n), "--oversubscribe"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
+    mpiexec = str(python.parent / "mpiexec")
+    cmd = [mpiexec, "-n", str(n), *jobs.launcher_flags(mpiexec)]
     if ulfm:
         cmd += list(ULFM_FLAGS)
     if own_sessions:
@@ -63,7 +63,7 @@ MARK = "COMMUNITIES_TEST_JOB"  # in the environment of every rank of one job (ow
 
 def _kill_marked(mark: str) -> None:
     """SIGKILL every process whose environment holds ``MARK=mark`` (ranks in sessions of their own)."""
-    stacks.kill(stacks.with_env(f"{MARK}={mark}"))
+    jobs.signal_all(jobs.with_env(f"{MARK}={mark}"))
 
 
 def run_ompi(n: int, args: Sequence[str], timeout: float = 240, ulfm: bool = False, check: bool = True,

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from communities.tools import jobs
 from tests.helpers import stacks
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
@@ -120,7 +121,7 @@ class Cluster:
         if output is not None and output.exists():
             out.append(f"--- {output} (tail)\n" + output.read_text(errors="replace")[-3000:])
         out.append(f"--- slurmstepd of job {job}\n{Cluster.steps_of(job)}")
-        out.append(stacks.describe(stacks.with_env(f"SLURM_JOB_ID={job}")))
+        out.append(stacks.describe(jobs.with_env(f"SLURM_JOB_ID={job}")))
         return "\n" + "\n".join(out)
 
     def logs(self, lines: int = 30) -> str:

@@ -1,7 +1,5 @@
 """The asynchronous protocol under a real mpiexec: conservation, no hang, frozen partners, signature gossip."""
 import json
-import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -10,6 +8,7 @@ import pytest
 import torch
 
 from communities.results import read_jsonl
+from communities.tools import jobs
 from tests.helpers.mpi import initial_mean_and_final, run_engine, tiny_batch
 
 pytestmark = pytest.mark.timeout(900)
@@ -95,26 +94,6 @@ def test_community_views_are_recorded_and_tables_fill_by_gossip(runs):
     assert s["first_round_ari"] == 1.0  # rank 0's first view recovers the planted groups (nothing merged them)
     assert (run / "rounds" / "round_0000" / "Z.npy").exists()
     assert all(len(v["labels"]) == n for v in views)
-
-
-def _rank_pids(marker: str, timeout: float = 60.0) -> dict:
-    """{rank: pid} of the engine processes whose command line holds ``marker`` (PMI_RANK from /proc)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-        pids = {}
-        for pid in out:
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            for kv in env:
-                if kv.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")):
-                    pids[int(kv.split(b"=")[1])] = int(pid)
-        if len(pids) >= 4:
-            return pids
-        time.sleep(0.2)
-    raise AssertionError(f"engine processes not found for {marker}")
 
 
 def test_a_frozen_rank_is_skipped_within_the_timeout_and_named(tmp_path, tiny_config):
@@ -213,10 +192,9 @@ def test_an_async_stop_checkpoints_after_draining_and_resume_finishes(tmp_path, 
     proc = start(4, tiny_config, tmp_path, *ASYNC, *budget)
     wait_for(run / "rounds" / "round_0001", proc)
     if how == "signal":
-        pids = subprocess.run(["pgrep", "-f", f"communities run .*{tmp_path}"], capture_output=True,
-                              text=True).stdout.split()
-        assert pids, "no rank processes found"
-        os.kill(int(pids[-1]), signal.SIGUSR1)  # one rank only: every rank must stop
+        ranks = jobs.job_ranks(proc.pid)  # found by their environment
+        assert ranks, "no rank processes found"
+        os.kill(ranks[max(ranks)], signal.SIGUSR1)  # one rank only: every rank must stop
     else:
         (run / "STOP").touch()
     code, out, err = finish(proc)

@@ -111,10 +111,14 @@ def test_swap_with_least_recent_policy_conserves_the_mean(runs):
     assert merges and all(m["a"] == 1.0 for m in merges if m["event"] == "merge")
 
 
-def test_bad_probe_input_is_refused_before_training(tmp_path, tiny_config):
-    res = run_engine(2, tiny_config, tmp_path, "signature.kind=cka", "signature.layer=nope", check=False)
+def test_bad_probe_input_is_refused_before_training(tmp_path_factory):
+    """Both refusals in one batch on 2 ranks (tests/helpers/batch.py), each under an output root of its own."""
+    runs = tiny_batch(tmp_path_factory, "probe", 2, {"layer": ["signature.kind=cka", "signature.layer=nope"],
+                                                     "size": ["signature.kind=logits", "signature.probe_size=100000"]},
+                      check=False)
+    res = runs.result["layer"]
     assert res.returncode == 2 and "signature.layer='nope'" in res.stderr and "Traceback" not in res.stderr
-    res = run_engine(2, tiny_config, tmp_path, "signature.kind=logits", "signature.probe_size=100000", check=False)
+    res = runs.result["size"]
     assert res.returncode == 2 and "signature.probe_size=100000" in res.stderr
-    assert not (tmp_path / "tiny" / "metrics.jsonl").exists() or \
-        (tmp_path / "tiny" / "metrics.jsonl").read_text() == ""
+    for name in ("layer", "size"):
+        assert not (runs[name] / "metrics.jsonl").exists() or (runs[name] / "metrics.jsonl").read_text() == ""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.mpi import ROOT, run_engine, run_mpi
+from tests.helpers.mpi import ROOT, run_mpi, tiny_batch
 from tests.helpers.plugin_docs import doc_commands
 
 EXAMPLE_CONFIG = ROOT / "examples" / "plugins" / "config.yaml"  # the docs' file (tests/unit/test_plugins.py)
@@ -47,21 +47,30 @@ def test_a_sharded_reader_trains_each_rank_on_its_own_shard(tmp_path):
     assert s["consensus_test_split"] == "shared" and s["consensus_test_acc"] >= 0.9
 
 
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The two refused runs of the tiny config, in one batch on 3 ranks (one process per rank: not_deterministic
+    draws its data per process): name -> (result, run directory)."""
+    user = "tests.helpers.user_fns"
+    jobs = {"not_deterministic": [f"data.dataset={user}:not_deterministic", "data.partition=iid", "name=tiny"],
+            "wrong_signature": [f"model.name={user}:wrong_signature", "name=tiny"]}
+    runs = tiny_batch(tmp_path_factory, "plugins", 3, jobs, timeout=280, check=False)
+    return {name: (runs.result[name], runs[name]) for name in jobs}
+
+
 @pytest.mark.timeout(300)
-def test_data_that_differ_between_ranks_are_refused_naming_the_ranks(tmp_path, tiny_config):
-    res = run_engine(3, tiny_config, tmp_path, "data.dataset=tests.helpers.user_fns:not_deterministic",
-                     "data.partition=iid", "name=tiny", check=False, timeout=120)
+def test_data_that_differ_between_ranks_are_refused_naming_the_ranks(refused):
+    res, run = refused["not_deterministic"]
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.count("communities: error:") == 1 and "Traceback" not in res.stderr
     assert "the ranks' data differ: ranks [1, 2] hold another training set and test split than rank 0" in res.stderr
     assert "Is not_deterministic() deterministic? It is called with seed=" in res.stderr
-    assert not (tmp_path / "tiny").exists()  # refused before the run directory was made
+    assert not run.exists()  # refused before the run directory was made
 
 
 @pytest.mark.timeout(300)
-def test_a_model_function_with_the_wrong_signature_is_exit_2_naming_it(tmp_path, tiny_config):
-    res = run_engine(2, tiny_config, tmp_path, "model.name=tests.helpers.user_fns:wrong_signature", "name=tiny",
-                     check=False, timeout=120)
+def test_a_model_function_with_the_wrong_signature_is_exit_2_naming_it(refused):
+    res, _ = refused["wrong_signature"]
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.count("communities: error:") == 1 and "Traceback" not in res.stderr
     assert "aborting" not in res.stderr and "MPI_Abort" not in res.stderr

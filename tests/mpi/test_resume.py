@@ -1,13 +1,14 @@
 """Checkpoints, collective stop on a signal or STOP file, and exact resume, under a real mpiexec."""
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.mpi import finish, run_engine, start, tiny_batch, wait_for
+from communities.tools import jobs
+from tests.conftest import TINY
+from tests.helpers.mpi import Job, finish, run_batch, run_engine, start, tiny_batch, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -32,9 +33,11 @@ def identical(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def rank_pids(marker: str):
-    out = subprocess.run(["pgrep", "-f", f"communities run .*{marker}"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def last_rank(proc) -> int:
+    """The pid of the highest rank of a job started with ``start`` (its ranks found by their environment)."""
+    ranks = jobs.job_ranks(proc.pid)
+    assert ranks, "no rank processes found"
+    return ranks[max(ranks)]
 
 
 @pytest.mark.parametrize("how", ["signal", "stopfile"])
@@ -43,9 +46,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, tiny_config, run
     proc = start(4, tiny_config, cut, *LONG)
     wait_for(cut / "tiny" / "checkpoints" / "latest", proc)
     if how == "signal":
-        pids = rank_pids(str(cut))
-        assert pids, "no rank processes found"
-        os.kill(pids[-1], signal.SIGUSR1)  # one rank only: the stop must still be collective
+        os.kill(last_rank(proc), signal.SIGUSR1)  # one rank only: the stop must still be collective
     else:
         (cut / "tiny" / "STOP").touch()
     code, out, err = finish(proc)
@@ -75,30 +76,44 @@ def as_if_interrupted(run_dir: Path) -> None:
     meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
 
 
-def test_resume_refuses_another_world_size_or_config(tiny_config, runs):
-    tmp_path = runs["refuse"]
-    as_if_interrupted(tmp_path / "tiny")
-    res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, runs):
+    """The resumes of this module that train nothing, in one batch on 2 ranks (tests/helpers/batch.py): of the
+    4-rank run (another world size: refused), of a complete run (nothing to do), of a run whose newest checkpoint
+    has a truncated file (refused). Returns (each resume's result, complete's summary.json bytes before)."""
+    config = tmp_path_factory.mktemp("resumed") / "tiny.yaml"
+    config.write_text(TINY)
+    as_if_interrupted(runs["refuse"] / "tiny")
+    as_if_interrupted(runs["damaged"] / "tiny")
+    latest = (runs["damaged"] / "tiny" / "checkpoints" / "latest").read_text().strip()
+    victim = runs["damaged"] / "tiny" / "checkpoints" / latest / "rank00001.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    before = (runs["complete"] / "tiny" / "summary.json").read_bytes()
+    jobs = {"refuse": Job(config, runs["refuse"], ["train.budget=20"], ["--resume"]),
+            "complete": Job(config, runs["complete"], ["train.budget=10"], ["--resume"]),
+            "damaged": Job(config, runs["damaged"], ["train.budget=20"], ["--resume"])}
+    return run_batch(2, jobs, timeout=600, check=False), before, victim
+
+
+def test_resume_refuses_another_world_size_or_config(tiny_config, runs, resumed):
+    res = resumed[0]["refuse"]
     assert res.returncode == 2 and "written by 4 ranks, this job has 2" in res.stderr
-    res = run_engine(4, tiny_config, tmp_path, "train.budget=20", "train.lr=0.5", extra=["--resume"], check=False)
+    res = run_engine(4, tiny_config, runs["refuse"], "train.budget=20", "train.lr=0.5", extra=["--resume"],
+                     check=False)
     assert res.returncode == 2 and "train.lr: checkpoint has 0.05, config has 0.5" in res.stderr
 
 
-def test_resume_of_a_complete_run_does_nothing(tiny_config, runs):
-    tmp_path = runs["complete"]
-    before = (tmp_path / "tiny" / "summary.json").read_bytes()
-    res = run_engine(2, tiny_config, tmp_path, "train.budget=10", extra=["--resume"])
+def test_resume_of_a_complete_run_does_nothing(runs, resumed):
+    results, before, _ = resumed
+    res = results["complete"]
+    assert res.returncode == 0, res.stderr[-2000:]
     assert "already complete" in res.stdout
-    assert (tmp_path / "tiny" / "summary.json").read_bytes() == before
+    assert (runs["complete"] / "tiny" / "summary.json").read_bytes() == before
 
 
-def test_damaged_checkpoint_is_named(tiny_config, runs):
-    tmp_path = runs["damaged"]
-    as_if_interrupted(tmp_path / "tiny")
-    latest = (tmp_path / "tiny" / "checkpoints" / "latest").read_text().strip()
-    victim = tmp_path / "tiny" / "checkpoints" / latest / "rank00001.pt"
-    victim.write_bytes(victim.read_bytes()[:100])
-    res = run_engine(2, tiny_config, tmp_path, "train.budget=20", extra=["--resume"], check=False)
+def test_damaged_checkpoint_is_named(resumed):
+    results, _, victim = resumed
+    res = results["damaged"]
     assert res.returncode == 2 and "rank00001.pt: damaged checkpoint file" in res.stderr
     assert "no intact checkpoint to resume from" in res.stderr and "the manifest says" in res.stderr
     assert "Traceback" not in res.stderr
@@ -114,7 +129,7 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path, tiny
     run = tmp_path / "tiny"
     proc = start(4, tiny_config, tmp_path, *LONG)
     wait_for(run / "checkpoints" / "latest", proc)
-    os.kill(rank_pids(str(tmp_path))[-1], signal.SIGKILL)
+    os.kill(last_rank(proc), signal.SIGKILL)
     code, _, _ = finish(proc, timeout=120)
     assert code != 0
     # meta.json still says running; nobody holds the lock any more, and its heartbeat stops

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from communities.report.audit import audit
-from communities.tools.bench.chaos import rank_processes
+from communities.tools.jobs import job_ranks
 from communities.tools.synthetic import make_run
 
 
@@ -62,7 +62,7 @@ def test_a_product_that_differs_from_its_digest_is_named(run):
 
 
 def test_the_killer_finds_ranks_by_their_environment_only():
-    """rank_processes: descendants of the launcher that are python processes carrying an MPI rank variable."""
+    """jobs.job_ranks: descendants of the launcher that are python processes carrying an MPI rank variable."""
     code = "import time; time.sleep(30)"
     env = {**os.environ}
     procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "OMPI_COMM_WORLD_RANK": "3"}),
@@ -74,7 +74,7 @@ def test_the_killer_finds_ranks_by_their_environment_only():
         deadline = time.monotonic() + 10
         found = {}
         while time.monotonic() < deadline and len(found) < 2:
-            found = rank_processes(os.getpid())
+            found = job_ranks(os.getpid())
             time.sleep(0.05)
         assert found == {3: procs[0].pid, 5: procs[1].pid}
     finally:

@@ -18,6 +18,11 @@ from communities.engine.mixing import exchange
 from communities.tools import compare
 from communities.tools.bench import clustering as bench_clustering
 from communities.tools.bench.main import main_bench
+from communities.tools.compare.aggregate import aggregate
+from communities.tools.compare.curves import _bytes_after_unit, _sync_gradients, run_curve, time_to_target
+from communities.tools.compare.markdown import write_markdown
+from communities.tools.compare.runs import launcher_argv, plan_runs
+from communities.tools.compare.spec import SpecError, load_specs, spec_from_dict
 from tests.helpers.compare_spec import write_spec
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,25 +110,25 @@ def test_compare_rejects_bad_specs_before_running_anything(tmp_path, tiny_config
     assert compare.main_compare([str(bad), "--results-root", str(root)]) == 2
     assert "no_such_strategy" in capsys.readouterr().err
     assert not root.exists()
-    with pytest.raises(compare.SpecError, match="did you mean 'seeds'"):
-        compare.spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring"], "sedes": [1]})
-    with pytest.raises(compare.SpecError, match="repeat"):
-        compare.spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring", "ring"]})
-    with pytest.raises(compare.SpecError, match="seeds"):
-        compare.spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring"], "seeds": [-1]})
+    with pytest.raises(SpecError, match="did you mean 'seeds'"):
+        spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring"], "sedes": [1]})
+    with pytest.raises(SpecError, match="repeat"):
+        spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring", "ring"]})
+    with pytest.raises(SpecError, match="seeds"):
+        spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring"], "seeds": [-1]})
 
 
 def test_launcher_prefixes():
-    assert compare.launcher_argv(4, "srun --mpi=pmix -n {n}") == ["srun", "--mpi=pmix", "-n", "4"]
-    assert compare.launcher_argv(3, ["srun", "--mpi=pmi2"]) == ["srun", "--mpi=pmi2", "-n", "3"]
-    assert compare.launcher_argv(2, mpiexec=sys.executable)[:3] == [sys.executable, "-n", "2"]
+    assert launcher_argv(4, "srun --mpi=pmix -n {n}") == ["srun", "--mpi=pmix", "-n", "4"]
+    assert launcher_argv(3, ["srun", "--mpi=pmi2"]) == ["srun", "--mpi=pmi2", "-n", "3"]
+    assert launcher_argv(2, mpiexec=sys.executable)[:3] == [sys.executable, "-n", "2"]
 
 
 def test_shipped_specs_parse():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "configs" / "compare"
-    specs = {s.name: s for p in sorted(root.glob("*.yaml")) for s in compare.load_specs(p)}
+    specs = {s.name: s for p in sorted(root.glob("*.yaml")) for s in load_specs(p)}
     assert {"digits_groups", "mnist1d_iid", "mnist1d_dirichlet"} <= set(specs)
     assert specs["digits_groups"].base.name == "quickstart.yaml" and len(specs["digits_groups"].seeds) == 3
     assert "consensus.stop=false" in specs["digits_groups"].overrides
@@ -173,7 +178,7 @@ def _rows(values, key="bytes_sent"):
 
 def test_bytes_to_target_count_the_units_exchanges_for_pairwise_strategies():
     # row t is written after unit t's training and before its exchanges: unit 1's exchange shows in row 2
-    at = compare._bytes_after_unit(_rows([0, 100, 100, 250]), units=4, final_mean=300.0)
+    at = _bytes_after_unit(_rows([0, 100, 100, 250]), units=4, final_mean=300.0)
     assert [at(t) for t in range(5)] == [0.0, 100.0, 100.0, 250.0, 300.0]
     assert at(1.5) == pytest.approx(100.0)
 
@@ -182,31 +187,31 @@ def test_bytes_to_target_are_not_a_unit_ahead_for_allreduce():
     # allreduce: 1000 bytes of gradient Allreduces inside each unit's training (already in row t), plus a
     # 10-byte signature allgather after unit 2; the bytes by the end of unit t are row t+1 less 1000
     rows = _rows([1000, 2000, 3010, 4010])
-    at = compare._bytes_after_unit(rows, units=4, final_mean=4010.0, trains_with_traffic=True)
+    at = _bytes_after_unit(rows, units=4, final_mean=4010.0, trains_with_traffic=True)
     assert [at(t) for t in range(5)] == [0.0, 1000.0, 2010.0, 3010.0, 4010.0]
     # read as a pairwise strategy, row t+1 would count unit t+1's gradients: one unit too many
-    wrong = compare._bytes_after_unit(rows, units=4, final_mean=4010.0)
+    wrong = _bytes_after_unit(rows, units=4, final_mean=4010.0)
     assert wrong(1) == 2000.0
-    assert compare._sync_gradients("allreduce") and not compare._sync_gradients("gossip")
-    assert not compare._sync_gradients("local_sgd") and not compare._sync_gradients(None)
+    assert _sync_gradients("allreduce") and not _sync_gradients("gossip")
+    assert not _sync_gradients("local_sgd") and not _sync_gradients(None)
 
 
 def test_wall_to_target_is_the_slowest_ranks_wall_and_falls_back_to_the_estimate(tmp_path):
     from communities.tools import synthetic
 
     run = synthetic.make_run(tmp_path / "r", n_ranks=4, n_rounds=4, groups=2, every=5, seed=3)
-    c = compare.run_curve(run)
+    c = run_curve(run)
     assert c["wall_measured"]
     # synthetic rows: wall = 0.19 t + 0.001 rank; the slowest rank is rank 3
     assert np.allclose(c["wall"], 0.19 * c["t"] + 0.003)
-    tt = compare.time_to_target(c, float(c["acc"].min()))
+    tt = time_to_target(c, float(c["acc"].min()))
     assert tt["wall"] == pytest.approx(0.19 * tt["t"] + 0.003) and tt["wall_measured"]
 
     # a run written before the field existed: the estimate wall_time * t / units
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in m.items() if k != "wall"}) + "\n"
                                                for m in lines))
-    old = compare.run_curve(run)
+    old = run_curve(run)
     assert not old["wall_measured"]
     assert np.allclose(old["wall"], old["wall_time"] * old["t"] / old["units"])
 
@@ -217,18 +222,49 @@ def test_compare_report_marks_estimated_wall_times(tmp_path):
     runs = tmp_path / "results" / "cmp" / "runs"
     for seed in (0, 1):
         synthetic.make_run(runs / f"cmp_community_s{seed}", n_ranks=4, n_rounds=4, groups=2, seed=seed)
-    spec = compare.spec_from_dict({"name": "cmp", "base": "b.yaml", "strategies": ["community"], "seeds": [0, 1],
+    spec = spec_from_dict({"name": "cmp", "base": "b.yaml", "strategies": ["community"], "seeds": [0, 1],
                                    "world_size": 4, "target_accuracy": 0.01})
-    plans = compare.plan_runs(spec, tmp_path / "results", ["mpiexec", "-n", "4"])
-    agg = compare.aggregate(spec, plans)
+    plans = plan_runs(spec, tmp_path / "results", ["mpiexec", "-n", "4"])
+    agg = aggregate(spec, plans)
     tg = agg["strategies"]["community"]["target"]
     assert tg["reached"] == 2 and tg["wall_measured"] == 2
-    compare.write_markdown(agg, tmp_path / "a.md", spec)
+    write_markdown(agg, tmp_path / "a.md", spec)
     assert "(est.)" not in (tmp_path / "a.md").read_text()
     m = runs / "cmp_community_s1" / "metrics.jsonl"
     m.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "wall"}) + "\n"
                          for x in m.read_text().splitlines() if x.strip()))
-    agg = compare.aggregate(spec, plans)
+    agg = aggregate(spec, plans)
     assert agg["strategies"]["community"]["target"]["wall_measured"] == 1
-    compare.write_markdown(agg, tmp_path / "b.md", spec)
+    write_markdown(agg, tmp_path / "b.md", spec)
     assert "(est.)" in (tmp_path / "b.md").read_text()
+
+
+def test_spec_errors_name_the_file_the_case_and_the_key(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text("name: m\nbase: b.yaml\nstrategies: [community]\n"
+                    "cases:\n  - {name: a}\n  - {name: b, world_size: 0}\n")
+    with pytest.raises(SpecError, match=r"spec\.yaml: cases\[1\]: world_size: must be a positive integer \(got 0\)"):
+        load_specs(path)
+    base = {"name": "x", "base": "b.yaml"}
+    with pytest.raises(SpecError, match=r"unknown key 'strategies\[1\]\.strateg' \(did you mean 'strategy'\?\)"):
+        spec_from_dict({**base, "strategies": ["ring", {"name": "g", "strateg": "gossip"}]})
+    with pytest.raises(SpecError, match=r"strategies\[0\]: needs a name or a strategy"):
+        spec_from_dict({**base, "strategies": [{"overrides": ["a=1"]}]})
+    with pytest.raises(SpecError, match=r"processes: 3 does not divide world_size=8"):
+        spec_from_dict({**base, "strategies": ["ring"], "processes": 3})
+    with pytest.raises(SpecError, match=r"world_size: must be a positive integer \(got True\)"):
+        spec_from_dict({**base, "strategies": ["ring"], "world_size": True})
+    spec = spec_from_dict({**base, "strategies": ["ring", {"name": "g", "strategy": "gossip"}], "seeds": 3,
+                           "overrides": {"train.lr": 0.1, "data.groups": 2}})
+    assert [(a.label, a.strategy) for a in spec.arms] == [("ring", "ring"), ("g", "gossip")]
+    assert spec.seeds == [0, 1, 2] and spec.overrides == ["train.lr=0.1", "data.groups=2"]
+
+
+def test_markdown_tables_are_rendered_from_their_columns():
+    from communities.tools.compare.tables import Column, markdown, plain
+
+    cols = [Column("a", lambda r: str(r["a"])), Column("b b", lambda r: f"{r['b']:.1f}")]
+    rows = [{"a": 1, "b": 2.0}, {"a": 10, "b": 0.25}]
+    assert markdown(cols, rows, tail=lambda r: " !" if r["a"] > 5 else "") == [
+        "| a | b b |", "|---|---|", "| 1 | 2.0 |", "| 10 | 0.2 | !"]
+    assert plain(cols, rows) == "a   b b\n1   2.0\n10  0.2"

@@ -10,7 +10,7 @@ import pytest
 from communities import config
 from communities.core import conflict, partners, protocol, signature
 from communities.errors import ConfigError, DataError
-from communities.tools import compare
+from communities.tools.compare.curves import delivered
 from communities.workload import data, shift
 from tests.helpers.mpi import ROOT
 
@@ -226,12 +226,12 @@ def _summary(**extra):
 def test_what_a_run_delivers_is_named_for_the_table():
     models = {"models": [{"community": 0, "members": [0, 1]}, {"community": 1, "members": [2, 3]},
                          {"community": 2, "members": []}]}
-    assert compare.delivered(_summary()) == "consensus"
-    assert compare.delivered(_summary(strategy="isolated")) == "own"
-    assert compare.delivered(_summary(local_test={"delivered": "communities"}, community_models=models)) == \
+    assert delivered(_summary()) == "consensus"
+    assert delivered(_summary(strategy="isolated")) == "own"
+    assert delivered(_summary(local_test={"delivered": "communities"}, community_models=models)) == \
         "communities (2)"
-    assert compare.delivered(_summary(local_test={"delivered": "ifca"}, community_models=models)) == "ifca (2)"
-    assert compare.delivered(_summary(local_test={"delivered": "finetuned"})) == "finetuned"
+    assert delivered(_summary(local_test={"delivered": "ifca"}, community_models=models)) == "ifca (2)"
+    assert delivered(_summary(local_test={"delivered": "finetuned"})) == "finetuned"
     s = _summary(local_test={"delivered": "communities", "mean_acc": 0.9})
     assert json.loads(json.dumps(s.to_dict()))["local_test"]["mean_acc"] == 0.9
     assert "local_test" not in _summary().to_dict()  # optional fields stay out of a default summary

@@ -19,7 +19,7 @@ from communities.workload.gpt import GPT
 
 def _tiny(vocab: int = 50, context: int = 12, layers: int = 2, heads: int = 2, embed: int = 16, seed: int = 0):
     torch.manual_seed(seed)
-    return GPT(vocab, context, layers, heads, embed)
+    return GPT(vocab, context, layers=layers, heads=heads, embed=embed)
 
 
 # --------------------------------------------------------------------------- the model

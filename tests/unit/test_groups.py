@@ -20,7 +20,7 @@ from communities.errors import ConfigError, Disagreement
 from communities.runtime import population
 from communities.runtime.comm import World
 from communities.runtime.groups import build_groups
-from communities.runtime.p2p import Tag
+from communities.runtime.tags import Tag
 from communities.workload.vectorized import StackedTrainer
 
 from .test_engine_parts import make_cfg
@@ -180,7 +180,7 @@ def test_stacked_members_of_a_group_take_the_same_steps_as_their_average():
     cfg = _cfg(train__lr=0.1, train__momentum=0.9, train__batch_size=8).train
     xs = [torch.randn(24, 6, generator=torch.Generator().manual_seed(r)) for r in range(4)]
     ys = [torch.randint(0, 3, (24,), generator=torch.Generator().manual_seed(10 + r)) for r in range(4)]
-    trainer = StackedTrainer(model, torch.stack([flat0] * 4), cfg, "mlp")
+    trainer = StackedTrainer(model, torch.stack([flat0] * 4), cfg, name="mlp")
     trainer.train_unit(xs, ys, [0, 1, 2, 3], seed=0, t=1, steps=3, group_size=2)
     w = trainer.flats
     assert torch.equal(w[0], w[1]) and torch.equal(w[2], w[3]) and not torch.equal(w[0], w[2])

@@ -206,13 +206,14 @@ def test_warmup_needs_as_many_ranks_as_clusters():
 
 
 def test_the_concept_shift_spec_has_the_fair_arms_and_every_run_validates(tmp_path):
-    from communities.tools import compare
+    from communities.tools.compare.runs import plan_runs, validate
+    from communities.tools.compare.spec import load_specs
 
-    specs = compare.load_specs("configs/compare/concept_shift.yaml")
+    specs = load_specs("configs/compare/concept_shift.yaml")
     assert len(specs) == 4  # digits and MNIST-1D, 8 and 16 ranks
     for spec in specs:
         arms = {a.label: a for a in spec.arms}
         assert {"auto", "communities", "ifca_k4", "ifca_k4_warmup", "ifca_k4_restarts", "ifca_k2", "ifca_k8",
                 "oracle", "global"} <= set(arms)
         assert "ifca.init=warmup" in arms["ifca_k4_warmup"].overrides and arms["oracle"].strategy == "oracle"
-        assert compare.validate(spec, compare.plan_runs(spec, tmp_path, [], seeds=[0])) == []
+        assert validate(spec, plan_runs(spec, tmp_path, [], seeds=[0])) == []

@@ -21,6 +21,9 @@ from communities.results import (  # noqa: E402
     bits_per_byte,
 )
 from communities.tools import compare  # noqa: E402
+from communities.tools.compare.curves import time_to_target, tokens_per_second  # noqa: E402
+from communities.tools.compare.runs import plan_runs, validate  # noqa: E402
+from communities.tools.compare.spec import SpecError, Target, load_specs, spec_from_dict  # noqa: E402
 
 # --------------------------------------------------------------------------- records
 
@@ -132,43 +135,43 @@ SPEC = {"name": "lm", "base": "b.yaml", "strategies": ["community"]}
 
 
 def test_compare_spec_takes_one_target_of_three_kinds():
-    assert compare.spec_from_dict(SPEC).target == compare.Target("acc", 0.9)  # the default, as before
-    spec = compare.spec_from_dict({**SPEC, "target_loss": 2.5})
-    assert spec.target == compare.Target("loss", 2.5) and spec.target_accuracy is None
+    assert spec_from_dict(SPEC).target == Target("acc", 0.9)  # the default, as before
+    spec = spec_from_dict({**SPEC, "target_loss": 2.5})
+    assert spec.target == Target("loss", 2.5) and spec.target_accuracy is None
     assert spec.target.lower_is_better and spec.target.key == "target_loss"
-    spec = compare.spec_from_dict({**SPEC, "target_bpb": 3})
-    assert spec.target == compare.Target("bpb", 3.0) and spec.target.text() == "bpb <= 3"
-    with pytest.raises(compare.SpecError, match="target_accuracy and target_loss are set together; give one target"):
-        compare.spec_from_dict({**SPEC, "target_accuracy": 0.5, "target_loss": 2.5})
-    with pytest.raises(compare.SpecError, match="target_loss and target_bpb"):
-        compare.spec_from_dict({**SPEC, "target_loss": 2.5, "target_bpb": 3.0})
+    spec = spec_from_dict({**SPEC, "target_bpb": 3})
+    assert spec.target == Target("bpb", 3.0) and spec.target.text() == "bpb <= 3"
+    with pytest.raises(SpecError, match="target_accuracy and target_loss are set together; give one target"):
+        spec_from_dict({**SPEC, "target_accuracy": 0.5, "target_loss": 2.5})
+    with pytest.raises(SpecError, match="target_loss and target_bpb"):
+        spec_from_dict({**SPEC, "target_loss": 2.5, "target_bpb": 3.0})
     for bad in (0, -1.0, float("nan"), float("inf"), True, "2.5", [2.5]):
-        with pytest.raises(compare.SpecError, match=r"target_loss must be a positive number \(nats per token"):
-            compare.spec_from_dict({**SPEC, "target_loss": bad})
-        with pytest.raises(compare.SpecError, match=r"target_bpb must be a positive number \(bits per byte"):
-            compare.spec_from_dict({**SPEC, "target_bpb": bad})
-    with pytest.raises(compare.SpecError, match="did you mean 'target_loss'"):
-        compare.spec_from_dict({**SPEC, "target_los": 2.5})
+        with pytest.raises(SpecError, match=r"target_loss: must be a positive number \(nats per token"):
+            spec_from_dict({**SPEC, "target_loss": bad})
+        with pytest.raises(SpecError, match=r"target_bpb: must be a positive number \(bits per byte"):
+            spec_from_dict({**SPEC, "target_bpb": bad})
+    with pytest.raises(SpecError, match="did you mean 'target_loss'"):
+        spec_from_dict({**SPEC, "target_los": 2.5})
 
 
 def test_a_cases_target_replaces_the_specs_of_any_kind(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text("name: m\nbase: b.yaml\nstrategies: [community]\ntarget_accuracy: 0.8\ncases:\n"
                     "  - {name: digits}\n  - {name: text, target_bpb: 2.5}\n  - {name: bad, target_los: 1}\n")
-    with pytest.raises(compare.SpecError, match=r"cases\[2\]: unknown key"):
-        compare.load_specs(path)
+    with pytest.raises(SpecError, match=r"cases\[2\]: unknown key"):
+        load_specs(path)
     path.write_text(path.read_text().replace("  - {name: bad, target_los: 1}\n", ""))
-    digits, text = compare.load_specs(path)
-    assert digits.target == compare.Target("acc", 0.8) and text.target == compare.Target("bpb", 2.5)
+    digits, text = load_specs(path)
+    assert digits.target == Target("acc", 0.8) and text.target == Target("bpb", 2.5)
 
 
 def test_target_bpb_needs_a_corpus_with_known_bytes_per_token(tiny_config):
-    spec = compare.spec_from_dict({**SPEC, "base": str(tiny_config), "world_size": 2, "target_bpb": 2.0})
-    plans = compare.plan_runs(spec, tiny_config.parent / "results", ["mpiexec", "-n", "2"])
-    (problem,) = compare.validate(spec, plans)
+    spec = spec_from_dict({**SPEC, "base": str(tiny_config), "world_size": 2, "target_bpb": 2.0})
+    plans = plan_runs(spec, tiny_config.parent / "results", ["mpiexec", "-n", "2"])
+    (problem,) = validate(spec, plans)
     assert "target_bpb needs a language model's corpus" in problem and "target_loss" in problem
-    loss = compare.spec_from_dict({**SPEC, "base": str(tiny_config), "world_size": 2, "target_loss": 2.0})
-    assert compare.validate(loss, compare.plan_runs(loss, tiny_config.parent, ["mpiexec"])) == []
+    loss = spec_from_dict({**SPEC, "base": str(tiny_config), "world_size": 2, "target_loss": 2.0})
+    assert validate(loss, plan_runs(loss, tiny_config.parent, ["mpiexec"])) == []
 
 
 def _curve(acc, loss, bpb=None):
@@ -180,15 +183,15 @@ def _curve(acc, loss, bpb=None):
 
 def test_time_to_a_loss_target_is_the_first_evaluation_at_or_below_it():
     c = _curve([0.1, 0.2, 0.3, 0.25], [5.0, float("nan"), 3.0, 2.5], [7.2, 5.0, 4.3, 3.6])
-    hit = compare.time_to_target(c, compare.Target("loss", 3.0))
+    hit = time_to_target(c, Target("loss", 3.0))
     assert hit == {"t": 3.0, "bytes": 300.0, "wall": 1.5, "wall_measured": True, "loss": 3.0}
-    assert compare.time_to_target(c, compare.Target("bpb", 5.0))["t"] == 2.0  # NaN loss there, bpb known
-    assert compare.time_to_target(c, compare.Target("loss", 2.0)) is None
+    assert time_to_target(c, Target("bpb", 5.0))["t"] == 2.0  # NaN loss there, bpb known
+    assert time_to_target(c, Target("loss", 2.0)) is None
     # an accuracy target is still higher-is-better, and a plain float is an accuracy
-    assert compare.time_to_target(c, compare.Target("acc", 0.25))["t"] == 3.0
-    assert compare.time_to_target(c, 0.2) == {"t": 2.0, "bytes": 200.0, "wall": 1.0, "wall_measured": True,
+    assert time_to_target(c, Target("acc", 0.25))["t"] == 3.0
+    assert time_to_target(c, 0.2) == {"t": 2.0, "bytes": 200.0, "wall": 1.0, "wall_measured": True,
                                               "acc": 0.2}
-    assert compare.time_to_target({k: v for k, v in c.items() if k != "bpb"}, compare.Target("bpb", 9.0)) is None
+    assert time_to_target({k: v for k, v in c.items() if k != "bpb"}, Target("bpb", 9.0)) is None
 
 
 def test_tokens_per_second_per_rank_from_samples_context_and_wall():
@@ -196,11 +199,11 @@ def test_tokens_per_second_per_rank_from_samples_context_and_wall():
     s = _summary(**LanguageModel(1.0, 8).summary_fields(2.9, [2.9, 3.0]))
     s.time_split_per_rank = {"wall": [2.0, 4.0]}
     # rank 0: 20 windows x 8 tokens / 2 s = 80; rank 1: 40 x 8 / 4 s = 80
-    assert compare.tokens_per_second(rows, s) == pytest.approx(80.0)
+    assert tokens_per_second(rows, s) == pytest.approx(80.0)
     s.time_split_per_rank = {}  # older summaries: the slowest rank's wall time
-    assert compare.tokens_per_second(rows, s) == pytest.approx((160 + 320) / 2 / 3.0)
+    assert tokens_per_second(rows, s) == pytest.approx((160 + 320) / 2 / 3.0)
     s.context = None
-    assert compare.tokens_per_second(rows, s) is None
+    assert tokens_per_second(rows, s) is None
 
 
 # --------------------------------------------------------------------------- a language model's run, read back
@@ -229,8 +232,8 @@ def test_compare_reports_losses_of_language_model_runs(tmp_path, capsys):
     for seed in (0, 1):
         _as_language_model(synthetic.make_run(runs / f"lm_community_s{seed}", n_ranks=4, n_rounds=4, groups=2,
                                               seed=seed))
-    spec = compare.spec_from_dict({**SPEC, "seeds": [0, 1], "world_size": 4, "target_loss": 3.2})
-    plans = compare.plan_runs(spec, tmp_path / "results", ["mpiexec", "-n", "4"])
+    spec = spec_from_dict({**SPEC, "seeds": [0, 1], "world_size": 4, "target_loss": 3.2})
+    plans = plan_runs(spec, tmp_path / "results", ["mpiexec", "-n", "4"])
     public = compare.write_report(spec, plans, tmp_path / "results")
     assert public["target_loss"] == 3.2 and "target_accuracy" not in public
     a = public["strategies"]["community"]
@@ -245,7 +248,7 @@ def test_compare_reports_losses_of_language_model_runs(tmp_path, capsys):
     assert "consensus test loss (nats/token) | bits/byte | next-token acc" in md and "reached loss <= 3.2" in md
     assert "with test loss <= 3.2 nats per token" in md and "(loss_vs_bytes.png)" in md
     assert (out / "loss_vs_bytes.png").is_file() and not (out / "acc_vs_bytes.png").exists()
-    table = compare._summary_table(public)  # what the command prints, from compare.json's figures
+    table = compare.summary_table(public)  # what the command prints, from compare.json's figures
     assert "consensus loss" in table and "tokens/s/rank" in table and "t to loss <= 3.2" in table
 
 

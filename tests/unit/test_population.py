@@ -17,7 +17,7 @@ from communities.core.placement import tree_sum
 from communities.errors import ConfigError, Disagreement
 from communities.runtime import population
 from communities.runtime.comm import World
-from communities.runtime.p2p import Tag
+from communities.runtime.tags import Tag
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ def _replicas(cfg, R, features=10, classes=3, model=None):
         ms.append(models.MLP(features, classes, (8,)) if model is None else model())
     opts = [train.make_optimizer(cfg, m.parameters()) for m in ms]
     flats = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in ms])
-    return ms, opts, vz.StackedTrainer(ms[0], flats, cfg, "mlp")
+    return ms, opts, vz.StackedTrainer(ms[0], flats, cfg, name="mlp")
 
 
 def _weights(ms):
@@ -109,11 +109,11 @@ def test_optimizer_state_converts_to_and_from_torch_optim(opt):
     xs, ys = _data()
     R = len(SIZES)
     ms, opts, trainer = _replicas(cfg, R)
-    empty = trainer.optimizer_state_dict(0)
+    empty = trainer.optimizer.optimizer_state_dict(0)
     assert empty["state"] == {} and empty["param_groups"][0]["lr"] == cfg.lr
     _run(ms, opts, trainer, xs, ys, cfg, list(range(R)), units=2)
     for r in range(R):
-        ours, theirs = trainer.optimizer_state_dict(r), opts[r].state_dict()
+        ours, theirs = trainer.optimizer.optimizer_state_dict(r), opts[r].state_dict()
         assert ours["state"].keys() == theirs["state"].keys()
         for i in theirs["state"]:
             assert ours["state"][i].keys() == theirs["state"][i].keys()
@@ -124,13 +124,13 @@ def test_optimizer_state_converts_to_and_from_torch_optim(opt):
         # torch.optim accepts ours; a trainer accepts torch's
         o = train.make_optimizer(cfg, ms[r].parameters())
         o.load_state_dict(ours)
-        trainer.load_optimizer_state_dict(r, theirs)
+        trainer.optimizer.load_optimizer_state_dict(r, theirs)
     # round trip of the stacked form
-    saved = trainer.state_dict()
+    saved = trainer.optimizer.state_dict()
     _, _, other = _replicas(cfg, R)
-    other.load_state_dict(saved)
+    other.optimizer.load_state_dict(saved)
     for r in range(R):
-        a, b = other.optimizer_state_dict(r)["state"], trainer.optimizer_state_dict(r)["state"]
+        a, b = other.optimizer.optimizer_state_dict(r)["state"], trainer.optimizer.optimizer_state_dict(r)["state"]
         assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
 
 
@@ -142,9 +142,9 @@ def test_reset_of_one_replica_matches_clearing_its_torch_state():
     ms, opts, trainer = _replicas(cfg, R)
     _run(ms, opts, trainer, xs, ys, cfg, list(range(R)), units=2)
     opts[1].state.clear()
-    trainer.reset_state(1)
-    assert trainer.optimizer_state_dict(1)["state"] == {} and trainer.state_tensors(1) == []
-    assert len(trainer.state_tensors(0)) == 2
+    trainer.optimizer.reset_state(1)
+    assert trainer.optimizer.optimizer_state_dict(1)["state"] == {} and trainer.optimizer.state_tensors(1) == []
+    assert len(trainer.optimizer.state_tensors(0)) == 2
     _run(ms, opts, trainer, xs, ys, cfg, list(range(R)), units=2)
     assert float((_weights(ms) - trainer.flats).abs().max()) <= TOL
 
@@ -235,7 +235,7 @@ def test_members_keep_their_own_weights_and_torch_optim_state(opt):
     for m in ms:  # bind each model's parameters to one flat buffer, as the engine's replicas hold them
         flat, _n = models.flatten_(m)
         flats.append(flat)
-    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, "mlp")
+    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, name="mlp")
     members = [vz.Member(m, o, f, x, y, r) for m, o, f, x, y, r in zip(ms, opts, flats, xs, ys, range(len(ms)))]
     for t in range(3):
         want = [train.train_unit(m, o, x, y, cfg, 3, r, t) for m, o, x, y, r in zip(seq, seq_opts, xs, ys,

@@ -70,7 +70,7 @@ def test_each_member_steps_with_its_own_param_groups(kind):
     seq, seq_opts = _population(cfg)
     ms, opts = _population(cfg)
     flats = [models.flatten_(m)[0] for m in ms]
-    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, "mlp")
+    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, name="mlp")
     members = [vz.Member(m, o, f, x, y, r) for r, (m, o, f, x, y) in enumerate(zip(ms, opts, flats, xs, ys))]
     for o, so, values in zip(opts, seq_opts, ROWS[kind]):
         _set(o, values)
@@ -83,7 +83,7 @@ def test_each_member_steps_with_its_own_param_groups(kind):
                 _set(so, values)
         want = [train.train_unit(m, o, x, y, cfg, 3, r, t) for r, (m, o, x, y) in enumerate(zip(seq, seq_opts, xs, ys))]
         got = vz.train_members(trainer, members, 3, t)
-        assert trainer._rows is not None  # the per-row step ran
+        assert trainer.optimizer._rows is not None  # the per-row step ran
         for (g, _), w in zip(got, want):
             assert (g.samples, g.steps) == (w.samples, w.steps)
             assert g.loss == pytest.approx(w.loss, abs=TOL)
@@ -107,15 +107,15 @@ def test_members_equal_to_the_cfg_keep_the_scalar_step(kind):
     xs, ys = _data()
     ms, opts = _population(cfg)
     flats = [models.flatten_(m)[0] for m in ms]
-    ref = vz.StackedTrainer(ms[0], torch.stack(flats).clone(), cfg, "mlp")
-    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, "mlp")
+    ref = vz.StackedTrainer(ms[0], torch.stack(flats).clone(), cfg, name="mlp")
+    trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, name="mlp")
     members = [vz.Member(m, o, f, x, y, r) for r, (m, o, f, x, y) in enumerate(zip(ms, opts, flats, xs, ys))]
     for t in range(2):
         ref.train_unit(xs, ys, list(range(len(ms))), 3, t)
         vz.train_members(trainer, members, 3, t)
-        assert trainer._rows is None
+        assert trainer.optimizer._rows is None
         assert torch.equal(torch.stack(flats), ref.flats)
-    assert not trainer.set_rows([dict(cfg.__dict__)] * len(ms))  # a dict with the cfg's values: no rows
-    assert trainer.set_rows([dict(lr=cfg.lr * 2)] + [{}] * (len(ms) - 1))
+    assert not trainer.optimizer.set_rows([dict(cfg.__dict__)] * len(ms))  # a dict with the cfg's values: no rows
+    assert trainer.optimizer.set_rows([dict(lr=cfg.lr * 2)] + [{}] * (len(ms) - 1))
     with pytest.raises(ValueError):
-        trainer.set_rows([{}])
+        trainer.optimizer.set_rows([{}])

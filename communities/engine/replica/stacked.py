@@ -7,15 +7,12 @@ is waited for as idle, and each replica's share of its seconds is then counted a
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from ...workload import train, vectorized
 from ...workload.vectorized import StackedTrainer
-
-if TYPE_CHECKING:
-    from .replica import Replica
 
 
 def group_size(cfg, replicas: int) -> int:
@@ -24,7 +21,7 @@ def group_size(cfg, replicas: int) -> int:
     return replicas if cfg.strategy == "allreduce" else cfg.train.group_size
 
 
-def train_together(replica: "Replica", t: int, steps: Optional[int]) -> train.UnitResult:
+def train_together(replica: Any, t: int, steps: Optional[int]) -> train.UnitResult:
     """Unit t of ``replica``, trained with the process's other replicas as one stacked model. Replicas that average
     their gradients at every step (a data-parallel group, or every replica under strategy allreduce) do it as rows
     of the stacked step, across processes through the process's world where the group spans several; the bytes
@@ -51,14 +48,14 @@ def train_together(replica: "Replica", t: int, steps: Optional[int]) -> train.Un
     return res
 
 
-def trainer(replica: "Replica", count: int) -> StackedTrainer:
+def trainer(replica: Any, count: int) -> StackedTrainer:
     """The process's stacked model for ``count`` replicas (built once, by the first replica that asks)."""
     r = replica
     return r.world.shared(("stacked trainer", count), lambda: StackedTrainer(
         r.model, torch.zeros((count, r.n_params), dtype=r.flat.dtype), r.cfg.train, name=r.cfg.model.name))
 
 
-def evaluate_together(replica: "Replica", t: int, m: Optional[int]) -> Tuple[float, float]:
+def evaluate_together(replica: Any, t: int, m: Optional[int]) -> Tuple[float, float]:
     """``replica``'s (accuracy, loss) on the shared test split, scored with the process's other replicas as one
     stacked model; its share of the seconds is counted as evaluation."""
     r = replica

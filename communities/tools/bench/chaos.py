@@ -26,40 +26,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from ..jobs import children_of, find_mpiexec
+from ..jobs import child_env, end, is_open_mpi, job_ranks, launcher_flags, require_mpiexec, start
 from .common import fmt_table, machine_load, write_json
 
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 # per protocol: a checkpoint every 100 units under the virtual clock (kills land in them too); async checkpoints
 # only at a stop and at the end
 PROTOCOLS = {"sync": ["checkpoint.every=100"], "async": ["protocol=async", "comm.timeout=60"]}
-
-
-def rank_processes(launcher_pid: int) -> Dict[int, int]:
-    """{MPI rank: pid} of the launcher's descendants that are ranks (read from /proc)."""
-
-    children = children_of()
-    out: Dict[int, int] = {}
-    stack = list(children.get(launcher_pid, []))
-    while stack:
-        pid = stack.pop()
-        stack += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmd = fh.read()
-        except OSError:
-            continue
-        if b"python" not in cmd:  # setsid or a wrapper shell: the rank is its child
-            continue
-        for var in RANK_VARS:
-            if var.encode() in env:
-                out[int(env[var.encode()])] = pid
-                break
-    return out
 
 
 def _summary(run: Path) -> Optional[dict]:
@@ -71,22 +45,14 @@ def _summary(run: Path) -> Optional[dict]:
 
 def launch(mpiexec: str, ranks: int, config: str, root: Path, name: str, sets: List[str]) -> subprocess.Popen:
     """The job under ULFM (Open MPI: ``--with-ft ulfm``), in a session of its own, its output to files."""
-    cmd = [mpiexec, "-n", str(ranks)]
-    if "Open MPI" in _mpiexec_version(mpiexec):
-        cmd += ["--oversubscribe", "--with-ft", "ulfm"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    cmd = [mpiexec, "-n", str(ranks), *launcher_flags(mpiexec)]
+    if is_open_mpi(mpiexec):
+        cmd += ["--with-ft", "ulfm"]
     cmd += [sys.executable, "-m", "communities", "run", config, f"output.root={root}", f"name={name}",
             "comm.fault_tolerance=shrink", "--no-progress", "--overwrite", *sets]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = open(root / f"{name}.out", "w")
     err = open(root / f"{name}.err", "w")
-    return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
-
-
-def _mpiexec_version(mpiexec: str) -> str:
-    try:
-        return subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
+    return start(cmd, env=child_env(OMP_NUM_THREADS="1"), stdout=out, stderr=err)
 
 
 def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random, timeout: float,
@@ -101,14 +67,14 @@ def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random
         time.sleep(0.05)
     start = time.time()
     while proc.poll() is None and time.monotonic() < deadline:
-        ranks = rank_processes(proc.pid)
+        ranks = job_ranks(proc.pid)
         alive = {r: p for r, p in ranks.items() if r not in {k["rank"] for k in kills}}
         if len(alive) <= keep:
             break
         time.sleep(rng.uniform(*every))
         if proc.poll() is not None or (run / "summary.json").exists():
             break  # the run ended (or is writing its end) before every kill landed
-        alive = {r: p for r, p in rank_processes(proc.pid).items() if r not in {k["rank"] for k in kills}}
+        alive = {r: p for r, p in job_ranks(proc.pid).items() if r not in {k["rank"] for k in kills}}
         if len(alive) <= keep:
             break
         rank = min(alive) if len(kills) == writer_kill else rng.choice(sorted(alive))
@@ -120,8 +86,7 @@ def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random
     try:
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        end(proc)
     return kills
 
 
@@ -148,7 +113,7 @@ def verdict(run: Path, kills: List[dict], returncode: int) -> dict:
 
 def bench_chaos(args) -> int:
 
-    mpiexec = args.mpiexec or find_mpiexec()
+    mpiexec = require_mpiexec(args.mpiexec, "communities bench chaos")
     root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"communities bench chaos: {args.ranks} ranks, a SIGKILL every {args.every[0]:g}-{args.every[1]:g} s "
@@ -161,8 +126,7 @@ def bench_chaos(args) -> int:
         try:
             clean.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(clean.pid, signal.SIGKILL)
-            clean.wait()
+            end(clean)
         base = _summary(root / f"{protocol}_clean") or {}
         if clean.returncode != 0 or not base:
             tail = (root / f"{protocol}_clean.err").read_text()[-1500:]

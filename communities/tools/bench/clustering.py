@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any, Dict, List, Optional, Tuple, cast
 
-from .common import fmt_table, machine_load, median, write_json
+from .common import fmt_table, machine_load, median, pairwise_strategy, write_json
 
 
 def planted_signatures(n: int, d: int, groups: int, seed: int = 0):
@@ -44,16 +45,86 @@ def cut_auto_sklearn(Z, distances, max_k=16, min_silhouette=0.25, min_separation
     return cut_maxclust(Z, best_k)
 
 
-def bench_clustering(args) -> int:
+def _time_case(S, cfg, n: int, k: Optional[int], reps: int):
+    """Median seconds of find_communities, the law and the draws (and of find_communities' pieces, each alone)
+    over ``reps`` repetitions after a warm-up; with the last repetition's communities, exchanges, distances and
+    tree."""
     import numpy as np
 
-    from ... import config
     from ...core import clustering
-    from ...engine.mixing import strategies
 
-    machine = machine_load()
+    cc = cfg.clustering
+    t_unit = 1
+    times: Dict[str, List[float]] = {key: [] for key in ("pairwise", "linkage", "cut", "find_communities", "law",
+                                                         "draws")}
+    for rep in range(reps + 1):  # the first is a warm-up
+        strat = pairwise_strategy(cfg, n)
+        t0 = time.perf_counter()
+        com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
+                                          max_k=min(cc.max_communities, n - 1), min_silhouette=cc.min_silhouette,
+                                          min_separation=cc.min_separation)
+        strat.observe(com, cast(Any, None), t_unit)  # no mixer: partner_policy law needs none
+        t1 = time.perf_counter()
+        strat.law(t_unit)
+        t2 = time.perf_counter()
+        plan = strat.exchanges(t_unit, np.arange(n))
+        t3 = time.perf_counter()
+        # the pieces of find_communities, timed apart
+        p0 = time.perf_counter()
+        d = clustering.pairwise(S, cc.metric)
+        p1 = time.perf_counter()
+        Z = clustering.hierarchy.linkage(d, method=cc.linkage)
+        p2 = time.perf_counter()
+        if k is None:
+            clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette, cc.min_separation)
+        else:
+            clustering.cut_maxclust(Z, k)
+        p3 = time.perf_counter()
+        if rep == 0:
+            continue
+        for key, dt in zip(times, (p1 - p0, p2 - p1, p3 - p2, t1 - t0, t2 - t1, t3 - t2)):
+            times[key].append(dt)
+    return {key: median(v) for key, v in times.items()}, com, plan, d, Z
+
+
+def _against_first_written(S, cfg, n: int, *, d, Z, reps: int, med: dict) -> Tuple[dict, str]:
+    """The auto cut and the distances as first written (sklearn's silhouette per k; scipy pdist) against now, on
+    the same tree: their figures and the table's last cell."""
+    import numpy as np
+
+    from ...core import clustering
+
+    cc = cfg.clustering
+    repeat = max(1, min(reps, 3))
+
+    def timed(fn):
+        out, took = None, []
+        for _ in range(repeat):
+            q0 = time.perf_counter()
+            out = fn()
+            took.append(time.perf_counter() - q0)
+        return out, median(took)
+
+    args = (min(cc.max_communities, n - 1), cc.min_silhouette, cc.min_separation)
+    ref, ref_s = timed(lambda: cut_auto_sklearn(Z, d, *args))
+    fast, fast_s = timed(lambda: clustering.cut_auto(Z, d, *args))
+    ref_d, pdist_s = timed(lambda: clustering._pdist(clustering._rows(S, cc.metric), cc.metric))
+    r = {"cut_reference_s": ref_s, "cut_current_s": fast_s, "cut_same_labels": bool(np.array_equal(ref, fast)),
+         "pairwise_pdist_s": pdist_s,
+         "pairwise_max_rel_diff": float(np.max(np.abs(d - ref_d) / np.maximum(ref_d, 1e-300)))}
+    cell = (f"{r['pairwise_pdist_s'] * 1e3:.1f} -> {med['pairwise'] * 1e3:.1f} "
+            f"(max rel. diff {r['pairwise_max_rel_diff']:.0e}); "
+            f"{r['cut_reference_s'] * 1e3:.1f} -> {r['cut_current_s'] * 1e3:.1f} "
+            f"({'same' if r['cut_same_labels'] else 'DIFFERENT'} labels)")
+    return r, cell
+
+
+def bench_clustering(args) -> int:
     import importlib
 
+    from ... import config
+
+    machine = machine_load()
     importlib.import_module("sklearn.metrics")  # the reference cut needs it: keep its import out of the timings
 
     results, rows = [], []
@@ -61,82 +132,28 @@ def bench_clustering(args) -> int:
         S = planted_signatures(n, args.dim, args.groups)
         for cut in args.cuts:
             for law in args.laws:
-                overrides = {"strategy": "community", "partners": {"law": law},
-                             "clustering": {"cut": cut, "k": {"start": min(args.k, n), "end": 1, "horizon": 100}}}
-                cfg = config.from_dict(overrides)
-                cc = cfg.clustering
-                t_unit = 1
+                cfg = config.from_dict({"strategy": "community", "partners": {"law": law},
+                                        "clustering": {"cut": cut, "k": {"start": min(args.k, n), "end": 1,
+                                                                         "horizon": 100}}})
                 k = int(round(min(args.k, n))) if cut == "maxclust" else None
-                times = {"pairwise": [], "linkage": [], "cut": [], "find_communities": [], "law": [], "draws": []}
-                for rep in range(args.reps + 1):  # the first is a warm-up
-                    strat = strategies.make(cfg, n)
-                    t0 = time.perf_counter()
-                    com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
-                                                      max_k=min(cc.max_communities, n - 1),
-                                                      min_silhouette=cc.min_silhouette,
-                                                      min_separation=cc.min_separation)
-                    strat.observe(com, None, t_unit)  # no mixer: partner_policy law needs none
-                    t1 = time.perf_counter()
-                    strat.law(t_unit)
-                    t2 = time.perf_counter()
-                    plan = strat.exchanges(t_unit, np.arange(n))
-                    t3 = time.perf_counter()
-                    # the pieces of find_communities, timed apart
-                    p0 = time.perf_counter()
-                    d = clustering.pairwise(S, cc.metric)
-                    p1 = time.perf_counter()
-                    Z = clustering.hierarchy.linkage(d, method=cc.linkage)
-                    p2 = time.perf_counter()
-                    if cut == "auto":
-                        clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
-                                            cc.min_separation)
-                    else:
-                        clustering.cut_maxclust(Z, k)
-                    p3 = time.perf_counter()
-                    if rep == 0:
-                        continue
-                    times["pairwise"].append(p1 - p0)
-                    times["linkage"].append(p2 - p1)
-                    times["cut"].append(p3 - p2)
-                    times["find_communities"].append(t1 - t0)
-                    times["law"].append(t2 - t1)
-                    times["draws"].append(t3 - t2)
-                med = {key: median(v) for key, v in times.items()}
+                med, com, plan, d, Z = _time_case(S, cfg, n, k, args.reps)
                 total = med["find_communities"] + med["law"] + med["draws"]
                 r = {"n": n, "dim": args.dim, "cut": cut, "law": law, "communities": com.count,
                      "exchanges": len(plan), **{f"{key}_s": v for key, v in med.items()}, "total_s": total}
                 ref_cell = "-"
                 if cut == "auto" and args.reference and law == args.laws[0]:
-                    ref_t = []
-                    for _ in range(max(1, min(args.reps, 3))):
-                        q0 = time.perf_counter()
-                        ref = cut_auto_sklearn(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
-                                                cc.min_separation)
-                        ref_t.append(time.perf_counter() - q0)
-                    fast_t = []
-                    for _ in range(max(1, min(args.reps, 3))):
-                        q0 = time.perf_counter()
-                        fast = clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
-                                                   cc.min_separation)
-                        fast_t.append(time.perf_counter() - q0)
-                    r["cut_reference_s"], r["cut_current_s"] = median(ref_t), median(fast_t)
-                    r["cut_same_labels"] = bool(np.array_equal(ref, fast))
-                    # the distances as first written: scipy pdist (what the Gram blocks replace)
-                    pd_t = []
-                    for _ in range(max(1, min(args.reps, 3))):
-                        q0 = time.perf_counter()
-                        ref_d = clustering._pdist(clustering._rows(S, cc.metric), cc.metric)
-                        pd_t.append(time.perf_counter() - q0)
-                    r["pairwise_pdist_s"] = median(pd_t)
-                    r["pairwise_max_rel_diff"] = float(np.max(np.abs(d - ref_d) / np.maximum(ref_d, 1e-300)))
-                    ref_cell = (f"{r['pairwise_pdist_s'] * 1e3:.1f} -> {med['pairwise'] * 1e3:.1f} "
-                                f"(max rel. diff {r['pairwise_max_rel_diff']:.0e}); "
-                                f"{r['cut_reference_s'] * 1e3:.1f} -> {r['cut_current_s'] * 1e3:.1f} "
-                                f"({'same' if r['cut_same_labels'] else 'DIFFERENT'} labels)")
+                    ref, ref_cell = _against_first_written(S, cfg, n, d=d, Z=Z, reps=args.reps, med=med)
+                    r.update(ref)
                 results.append(r)
-                rows.append([n, cut, law, com.count, *[f"{med[key] * 1e3:.1f}" for key in times],
+                rows.append([n, cut, law, com.count, *[f"{med[key] * 1e3:.1f}" for key in med],
                              f"{total * 1e3:.1f}", ref_cell])
                 print(f"  measured N={n} cut={cut} law={law}", file=sys.stderr, flush=True)
+    _print_table(args, rows, machine)
+    write_json(args.json, {"bench": "clustering", "results": results})
+    return 0
+
+
+def _print_table(args, rows: List[list], machine: str) -> None:
     print(f"bench clustering: signatures N x d={args.dim} float32 with {args.groups} planted groups; engine defaults "
           "(average linkage, cosine, auto: k=2..16, silhouette >= 0.25, separation >= 0.1); "
           f"maxclust k={args.k}; median of {args.reps} repetitions after a warm-up; {machine}")
@@ -154,8 +171,6 @@ def bench_clustering(args) -> int:
           "unit). Last column: scipy pdist (as first written) against the Gram distances now, with their largest "
           "relative difference; the auto cut with sklearn's silhouette_score per k (as first written) against "
           "clustering.cut_auto now, on the same tree. Target: total < 1 s at N=4096.")
-    write_json(args.json, {"bench": "clustering", "results": results})
-    return 0
 
 
 def add_parser(sub) -> None:

@@ -59,6 +59,16 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def pairwise_strategy(cfg, n: int):
+    """The configured strategy, which must draw pairwise partners (``Gossip`` and its subclasses: ``exchanges``)."""
+    from ...engine.mixing import strategies
+    from ...engine.mixing.gossip import Gossip
+
+    strat = strategies.make(cfg, n)
+    assert isinstance(strat, Gossip), f"strategy={cfg.strategy!r} draws no pairwise partners"
+    return strat
+
+
 def machine_load() -> str:
     """CPUs and load average: other jobs on the machine skew every figure here."""
     try:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Optional
 
-from ..jobs import engine_cmd, find_mpiexec, pythonpath
+from ..jobs import child_env, engine_cmd, require_mpiexec
 from .common import fmt_table, machine_load, median, write_json
+
+# what --profile breaks down: a signature round of the virtual clock, and the clustering inside it
+PROFILED = ("signature_rounds.py:run", "find_communities")
 
 
 def profile_rank(args) -> int:
@@ -70,19 +72,9 @@ def _callee_breakdown(stats, parent_name: str, depth: int = 2, min_share: float 
     return total, lines
 
 
-def bench_overhead(args) -> int:
-    import yaml
-
-    from ...results import TIME_CATEGORIES, Summary
-
-    machine = machine_load()
-    launcher = [args.mpiexec or find_mpiexec()]
-    rows, results, profiles = [], [], {}
-    keep = args.output_root is not None
-    root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-bench-"))
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=pythonpath())
-
-    def launch(cmd, config):
+def _launcher(env: dict):
+    """A function that runs an engine command line: its seconds from launch to exit, None where it failed."""
+    def launch(cmd, config) -> Optional[float]:
         print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -91,7 +83,45 @@ def bench_overhead(args) -> int:
                   f"{proc.stderr[-3000:]}", file=sys.stderr)
             return None
         return time.perf_counter() - t0
+    return launch
 
+
+def _run_row(summary, *, config: str, name: str, rep: int, n: int, outer: float) -> dict:
+    """One timed run's figures (compare.json's row) from its summary."""
+    ts, wall = summary.time_split, summary.wall_time
+    split_sum = sum(ts.values())
+    return {"config": config, "name": name, "repeat": rep, "world_size": n, "units": summary.units,
+            "rounds": summary.rounds, "wall_time": wall, "launch_to_exit_s": outer, "time_split": ts,
+            "signature_share_of_wall": ts["signature"] / wall,
+            "signature_share_of_split": ts["signature"] / split_sum if split_sum else None,
+            "signature_ms_per_round": 1e3 * ts["signature"] / max(1, summary.rounds)}
+
+
+def _profiled(prof_dir: Path, depth: int) -> dict:
+    """Where the profiled run's signature rounds spent their time, per rank (its ``rank*.prof`` files)."""
+    import pstats
+
+    files = sorted(prof_dir.glob("rank*.prof"))
+    st = pstats.Stats(*[str(f) for f in files])
+    out: dict = {"ranks": len(files)}
+    for fn in PROFILED:
+        tot, lines = _callee_breakdown(st, fn, depth=depth)
+        out[fn] = {"s_per_rank": tot / max(1, len(files)),
+                   "callees": [{"level": lv, "function": lab, "s_per_rank": sec / max(1, len(files))}
+                               for lv, lab, sec in lines]}
+    return out
+
+
+def bench_overhead(args) -> int:
+    import yaml
+
+    from ...results import TIME_CATEGORIES, Summary
+
+    machine = machine_load()
+    launcher = [require_mpiexec(args.mpiexec, "communities bench overhead")]
+    rows, results, profiles = [], [], {}
+    root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-bench-"))
+    launch = _launcher(child_env())
     for config in args.configs:
         raw = yaml.safe_load(Path(config).read_text()) or {}
         n = args.np or raw.get("world_size") or 8
@@ -101,21 +131,13 @@ def bench_overhead(args) -> int:
             outer = launch(engine_cmd(launcher, n, config, str(root), args.overrides), config)
             if outer is None:
                 return 1
-            s = Summary.read(root / name)
-            ts, wall = s.time_split, s.wall_time
-            split_sum = sum(ts.values())
-            share = ts["signature"] / wall
-            shares.append(share)
-            r = {"config": config, "name": name, "repeat": rep, "world_size": n, "units": s.units,
-                 "rounds": s.rounds, "wall_time": wall, "launch_to_exit_s": outer, "time_split": ts,
-                 "signature_share_of_wall": share,
-                 "signature_share_of_split": ts["signature"] / split_sum if split_sum else None,
-                 "signature_ms_per_round": 1e3 * ts["signature"] / max(1, s.rounds)}
+            r = _run_row(Summary.read(root / name), config=config, name=name, rep=rep, n=n, outer=outer)
+            shares.append(r["signature_share_of_wall"])
             results.append(r)
-            rows.append([name if args.repeat == 1 else f"{name} #{rep + 1}", n, s.units, s.rounds,
-                         f"{wall:.2f}", f"{outer:.1f}",
-                         *[f"{ts[c]:.3f}" for c in TIME_CATEGORIES],
-                         f"{r['signature_ms_per_round']:.1f}", f"{100 * share:.2f}%",
+            ts = r["time_split"]
+            rows.append([name if args.repeat == 1 else f"{name} #{rep + 1}", n, r["units"], r["rounds"],
+                         f"{r['wall_time']:.2f}", f"{outer:.1f}", *[f"{ts[c]:.3f}" for c in TIME_CATEGORIES],
+                         f"{r['signature_ms_per_round']:.1f}", f"{100 * r['signature_share_of_wall']:.2f}%",
                          f"{100 * r['signature_share_of_split']:.2f}%"])
         if args.repeat > 1:
             rows.append([f"{name} median", *[""] * (6 + len(TIME_CATEGORIES) + 1),
@@ -125,34 +147,9 @@ def bench_overhead(args) -> int:
             wrap = ["communities.tools.bench", "_profile-rank", "--out", str(prof_dir), "--"]
             if launch(engine_cmd(launcher, n, config, str(root), args.overrides, wrap), config) is None:
                 return 1
-            import pstats
-
-            files = sorted(prof_dir.glob("rank*.prof"))
-            st = pstats.Stats(*[str(f) for f in files])
-            profiles[name] = {"ranks": len(files)}
-            for fn in ("rounds.py:run", "find_communities"):
-                tot, lines = _callee_breakdown(st, fn, depth=args.profile_depth)
-                profiles[name][fn] = {
-                    "s_per_rank": tot / max(1, len(files)),
-                    "callees": [{"level": lv, "function": lab, "s_per_rank": sec / max(1, len(files))}
-                                for lv, lab, sec in lines]}
-    print("bench overhead: real engine runs (" + " ".join(launcher) + "); time_split = mean over ranks (s), "
-          f"wall = slowest rank's loop (s), from summary.json; {machine}")
-    print()
-    print(fmt_table(["run", "ranks", "units", "rounds", "wall s", "launch s", *TIME_CATEGORIES,
-                      "sig ms/round", "sig / wall", "sig / split"], rows))
-    print()
-    print("signature = the 'signature' time of a signature round (engine/rounds.py): sketch + clustering "
-          "(linkage, cut) + dispersion + digest; the allgathers and the hash check are 'idle'. launch s = mpiexec "
-          "start to exit (process start, imports, data, writing). Target: sig / wall <= 2%.")
-    for name, p in profiles.items():
-        for fn in ("rounds.py:run", "find_communities"):
-            print()
-            print(f"profile of {name} (one more run, under cProfile, so slower than the rows above): {fn}, "
-                  f"cumulative s per rank (mean of {p['ranks']} ranks): {p[fn]['s_per_rank']:.3f} s in all")
-            for c in p[fn]["callees"]:
-                print(f"  {'  ' * c['level']}{c['s_per_rank']:8.3f}  {c['function']}")
-    if keep:
+            profiles[name] = _profiled(prof_dir, args.profile_depth)
+    _print_report(launcher, machine, rows, profiles)
+    if args.output_root is not None:
         print(f"runs kept under {root}")
     else:
         import shutil
@@ -160,6 +157,27 @@ def bench_overhead(args) -> int:
         shutil.rmtree(root, ignore_errors=True)
     write_json(args.json, {"bench": "overhead", "results": results, "profiles": profiles})
     return 0
+
+
+def _print_report(launcher: List[str], machine: str, rows: List[list], profiles: dict) -> None:
+    from ...results import TIME_CATEGORIES
+
+    print("bench overhead: real engine runs (" + " ".join(launcher) + "); time_split = mean over ranks (s), "
+          f"wall = slowest rank's loop (s), from summary.json; {machine}")
+    print()
+    print(fmt_table(["run", "ranks", "units", "rounds", "wall s", "launch s", *TIME_CATEGORIES,
+                      "sig ms/round", "sig / wall", "sig / split"], rows))
+    print()
+    print("signature = the 'signature' time of a signature round (engine/rounds/signature_rounds.py): sketch + "
+          "clustering (linkage, cut) + dispersion + digest; the allgathers and the hash check are 'idle'. launch s = "
+          "mpiexec start to exit (process start, imports, data, writing). Target: sig / wall <= 2%.")
+    for name, p in profiles.items():
+        for fn in PROFILED:
+            print()
+            print(f"profile of {name} (one more run, under cProfile, so slower than the rows above): {fn}, "
+                  f"cumulative s per rank (mean of {p['ranks']} ranks): {p[fn]['s_per_rank']:.3f} s in all")
+            for c in p[fn]["callees"]:
+                print(f"  {'  ' * c['level']}{c['s_per_rank']:8.3f}  {c['function']}")
 
 
 def add_parser(sub) -> None:
@@ -173,7 +191,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=1, help="timed runs per config")
     p.add_argument("--profile", action="store_true",
                    help="one more run with cProfile on every rank; break down the signature rounds "
-                        "(engine/rounds.py run)")
+                        "(engine/rounds/signature_rounds.py run)")
     p.add_argument("--profile-depth", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(handler=bench_overhead)

@@ -3,9 +3,53 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 from .common import fmt_table, machine_load, write_json
+
+
+def _max_rel_diff_vs_opacus(build, x, y, seed: int) -> float:
+    """Exactness first: the clipped mean gradient without noise (clipping 0.5), ours (both ways) against Opacus's
+    grad samples with Opacus's clipping factor, over its largest entry."""
+    import warnings
+
+    import torch
+    from opacus import GradSampleModule
+    from torch.nn import functional as F
+
+    from ...workload.private import PrivateGradient
+
+    batch = x.shape[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = GradSampleModule(build())
+        F.cross_entropy(ref(x), y, reduction="sum").backward()
+    per = torch.cat([p.grad_sample.reshape(batch, -1) for p in ref.parameters()], dim=1)
+    factor = (0.5 / (per.norm(dim=1) + 1e-6)).clamp(max=1.0)  # Opacus's clipping factor
+    theirs_sum = (per * factor[:, None]).sum(0) / batch
+    diff = 0.0
+    for how in ("vmap", "hooks"):
+        probe = build()
+        check = PrivateGradient(probe, max_grad_norm=0.5, noise_multiplier=0.0, noise="seeded", seed=seed, rank=0,
+                                per_example=how)
+        check.backward(x, y, float(batch), torch.optim.SGD(probe.parameters(), lr=0.0), check.generator(0), True)
+        mine = torch.cat([p.grad.reshape(-1) for p in probe.parameters() if p.grad is not None])
+        diff = max(diff, float((mine - theirs_sum).abs().max() / theirs_sum.abs().max()))
+    return diff
+
+
+def _interleaved(fns: Dict[str, Callable[[], None]], steps: int) -> Dict[str, float]:
+    """Median seconds of each step kind over ``steps`` rounds that run every kind once, after 3 warm-ups."""
+    timings: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(3):  # warm-up
+        for fn in fns.values():
+            fn()
+    for _ in range(steps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            timings[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in timings.items()}
 
 
 def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
@@ -20,7 +64,7 @@ def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
     from ...workload.private import PrivateGradient, per_example_method
 
     shape, classes = ((64,), 10) if model_name == "mlp" else ((40,), 10)
-    cfg = ModelConfig(name=model_name, hidden=[64])
+    cfg = ModelConfig.model_validate({"name": model_name, "hidden": [64]})
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, *shape, generator=g)
     y = torch.randint(0, classes, (batch,), generator=g)
@@ -64,34 +108,10 @@ def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
             F.cross_entropy(theirs(x), y).backward()
         their_opt.step()
 
-    # exactness first: the clipped sum without noise, ours (both ways) against Opacus's grad samples
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = GradSampleModule(build())
-        F.cross_entropy(ref(x), y, reduction="sum").backward()
-    per = torch.cat([p.grad_sample.reshape(batch, -1) for p in ref.parameters()], dim=1)
-    factor = (0.5 / (per.norm(dim=1) + 1e-6)).clamp(max=1.0)  # Opacus's clipping factor
-    theirs_sum = (per * factor[:, None]).sum(0) / batch
-    diff = 0.0
-    for how in ("vmap", "hooks"):
-        probe = build()
-        check = PrivateGradient(probe, max_grad_norm=0.5, noise_multiplier=0.0, noise="seeded", seed=seed, rank=0,
-                                per_example=how)
-        check.backward(x, y, float(batch), torch.optim.SGD(probe.parameters(), lr=0.0), check.generator(0), True)
-        mine = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
-        diff = max(diff, float((mine - theirs_sum).abs().max() / theirs_sum.abs().max()))
+    diff = _max_rel_diff_vs_opacus(build, x, y, seed)
     fns = {"plain": step_plain, "vmap": lambda: step_ours("vmap"), "hooks": lambda: step_ours("hooks"),
            "opacus": step_opacus}
-    timings: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(3):  # warm-up
-        for fn in fns.values():
-            fn()
-    for _ in range(steps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            timings[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in timings.items()}
+    med = _interleaved(fns, steps)
     auto = per_example_method(plain)
     return {"model": model_name, "batch": batch, "params": sum(p.numel() for p in plain.parameters()),
             "plain_ms": 1e3 * med["plain"], "vmap_ms": 1e3 * med["vmap"], "hooks_ms": 1e3 * med["hooks"],

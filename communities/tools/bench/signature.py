@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 
-from ..jobs import pythonpath
+from ..jobs import child_env
 from .common import MB, fmt_table, machine_load, median, proc_status, reset_peak_rss, write_json
 
 
@@ -116,7 +115,7 @@ def bench_signature(args) -> int:
                    "--dim", str(args.dim), "--threads", str(args.threads), "--reps", str(args.reps),
                    "--gaussian-reps", str(args.gaussian_reps), "--n-pairs", str(args.n_pairs),
                    "--pairs", *args.pairs]
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=pythonpath())
+            env = child_env(OMP_NUM_THREADS=str(args.threads))
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
