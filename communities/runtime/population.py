@@ -44,32 +44,6 @@ _START = object()  # what a replica is first resumed with: nothing (its greenlet
 TAG_KINDS = 16  # message kinds (``p2p.Tag``) below this: a network tag is (src, dst, kind)
 
 
-def refusal(cfg, processes: int) -> Optional[str]:
-    """Why ``cfg`` cannot run with several replicas per process, naming the key (None: it can)."""
-    n = cfg.world_size
-    if n is None or n == processes:
-        return None
-    try:
-        Placement(n, processes)
-    except ValueError as exc:  # P does not divide N: the message names both
-        return str(exc)
-    why = []
-    if cfg.protocol == "async":
-        why.append("protocol=async (its replicas serve each other between batches: one replica per process)")
-    if cfg.device not in ("cpu",):
-        why.append(f"device={cfg.device!r} (replicas in one process run on the CPU for now)")
-    if cfg.faults.speed:
-        why.append("faults.speed (it acts on a process)")
-    if cfg.faults.kill and cfg.comm.fault_tolerance != "shrink":
-        why.append("faults.kill without comm.fault_tolerance=shrink (it kills a process)")
-    if cfg.faults.stall_rank is not None:
-        why.append("faults.stall_rank (it stalls a process)")
-    if not why:
-        return None
-    return (f"world_size={n} replicas on {processes} MPI processes ({n // processes} per process) does not "
-            f"support {'; '.join(why)}: start {n} processes, one replica each")
-
-
 # ---------------------------------------------------------------- what a replica waits on
 
 

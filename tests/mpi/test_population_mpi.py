@@ -99,7 +99,8 @@ def test_a_population_summary_splits_the_bytes_by_kind(reference):
 def test_async_with_fewer_processes_than_replicas_is_refused_naming_the_key(resumed):
     res = resumed[4][1]["async"]
     assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-3000:])
-    assert "protocol=async" in res.stderr and f"world_size={N} replicas on 4 MPI processes" in res.stderr
+    assert "is refused with protocol='async'" in res.stderr
+    assert f"world_size={N} replicas on 4 MPI processes" in res.stderr
     assert "Traceback" not in res.stderr
     assert not (resumed[4][0].parent.parent / "async" / "tiny" / "checkpoints").exists()  # refused before training
 

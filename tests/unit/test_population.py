@@ -7,8 +7,6 @@ that wait on each other are reported instead of hanging. (Between processes: tes
 """
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -169,29 +167,6 @@ def test_shared_work_is_computed_again_after_a_loss(world):
     assert hub.shared(("exchanges", 11), object) is first
     hub.epoch += 1  # what ``_c_recover`` does after the shrink
     assert hub.shared(("exchanges", 11), object) is not first
-
-
-def _cfg(**kw):
-    base = dict(world_size=8, protocol="virtual_clock", device="cpu",
-                comm=types.SimpleNamespace(fault_tolerance="abort"),
-                faults=types.SimpleNamespace(kill=[], speed=[], stall_rank=None))
-    base.update(kw)
-    return types.SimpleNamespace(**base)
-
-
-def test_what_a_population_refuses_is_named_before_training():
-    assert population.refusal(_cfg(), 8) is None and population.refusal(_cfg(), 2) is None
-    assert population.refusal(_cfg(world_size=None), 2) is None
-    assert "world_size=8 replicas cannot be split evenly over 3 MPI processes" in population.refusal(_cfg(), 3)
-    assert "protocol=async" in population.refusal(_cfg(protocol="async"), 2)
-    # a lost process is the loss of its block of replicas (comm.fault_tolerance shrink; tests/mpi under ULFM)
-    assert population.refusal(_cfg(comm=types.SimpleNamespace(fault_tolerance="shrink")), 4) is None
-    kill = types.SimpleNamespace(kill={3: 5}, speed={}, stall_rank=None)
-    refused = population.refusal(_cfg(faults=kill), 2)
-    assert "faults.kill without comm.fault_tolerance=shrink" in refused and "start 8 processes" in refused
-    assert population.refusal(_cfg(faults=kill, comm=types.SimpleNamespace(fault_tolerance="shrink")), 2) is None
-    assert "faults.speed" in population.refusal(_cfg(faults=types.SimpleNamespace(kill={}, speed={1: 2.0},
-                                                                                  stall_rank=None)), 2)
 
 
 def test_a_replica_world_refuses_the_async_calls(world):
