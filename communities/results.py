@@ -820,8 +820,9 @@ def list_rounds(rounds_dir: Path):
     return complete, problems
 
 
-def open_run(path: Path) -> Run:
-    """Open a (possibly partial) run; only complete round directories are listed (see ``Run``)."""
+def read_run(path: Path) -> Run:
+    """Read a (possibly partial) run's files; only complete round directories are listed (see ``Run``). The
+    checked view of a run, with its frames, is ``communities.open_run`` (report/api.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ResultsError(f"{path}: not a run directory")

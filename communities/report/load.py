@@ -30,7 +30,7 @@ from scipy.spatial.distance import pdist
 
 from .. import manifest, runlock
 from ..core.clustering import adjusted_rand
-from ..results import LanguageModel, ResultsError, Run, load_round, open_run, read_json, read_jsonl
+from ..results import LanguageModel, ResultsError, Run, load_round, read_json, read_jsonl, read_run
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -325,7 +325,7 @@ def load_view(path: Path) -> RunView:
 
 def _open_view(path: Path) -> RunView:
     """The run's JSON files checked, its world size, planted groups and label: a view with no series yet."""
-    run = open_run(path)
+    run = read_run(path)
     meta_p = path / "meta.json"
     for fname, obj in (("meta.json", run.meta), ("partition.json", run.partition), ("summary.json", run.summary)):
         if obj is not None and not isinstance(obj, dict):
