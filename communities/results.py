@@ -753,7 +753,26 @@ class Run:
         return read_jsonl(self.path / "metrics.jsonl")
 
     def consensus_evals(self) -> List[dict]:
-        return read_jsonl(self.path / "consensus.jsonl")
+        """consensus.jsonl's evaluations, ending with the run's final one, marked ``final: true``.
+
+        The final evaluation (summary.json's ``consensus_test_acc``, the run's headline) is taken after the last
+        unit, which the file's evaluations every ``output.consensus_every`` units need not reach: it is added as
+        a row at ``t = units`` where the file's last row is not it. Without a summary (a run not finished), the
+        file's rows alone."""
+        rows = read_jsonl(self.path / "consensus.jsonl")
+        s = self.record
+        if s is None:
+            return rows
+        last = rows[-1] if rows else {}
+        if last.get("t") == s.units and last.get("test_acc") == s.consensus_test_acc:
+            rows[-1] = {**last, "final": True}
+            return rows
+        final: Dict[str, Any] = {"t": s.units, "test_acc": s.consensus_test_acc, "test_loss": s.consensus_test_loss}
+        if s.consensus_test_bpb is not None:
+            final["test_bpb"] = s.consensus_test_bpb
+        if "wall" in last:  # protocol async: the curve is over wall time
+            final["wall"] = s.wall_time
+        return rows + [{**final, "final": True}]
 
     def merges(self) -> List[dict]:
         return read_jsonl(self.path / "merges.jsonl")
