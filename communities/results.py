@@ -524,6 +524,7 @@ class TimeCategory(str, Enum):
     IDLE = "idle"
     EVAL = "eval"
     OTHER = "other"
+    TURN = "turn"  # a population's replica waiting while the other replicas of its process run (0: one per process)
 
 
 TIME_CATEGORIES = tuple(c.value for c in TimeCategory)  # the plain names, in the order of summary.json

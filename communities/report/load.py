@@ -726,9 +726,10 @@ def mode_text(mode: dict) -> str:
 
 
 def wall_split_text(split: Dict[str, float]) -> str:
-    """The time split as shares of its total (the categories partition each rank's wall time)."""
+    """The time split as shares of its total (the categories partition each rank's wall time); a population's
+    ``turn`` (a replica waiting while the others of its process ran) only where there is one."""
     total = sum(split.values()) or 1.0
-    return " / ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items())
+    return " / ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items() if k != "turn" or v > 0)
 
 
 def round_rows(view: RunView) -> List[Dict[str, object]]:

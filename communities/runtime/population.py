@@ -27,6 +27,7 @@ clustering, the dataset) is computed once: ``shared``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
@@ -92,6 +93,11 @@ class Hub:
         self._worlds: Dict[int, "ReplicaWorld"] = {}
         self.membership = Membership(replicas)  # the replicas alive: a lost process takes its block with it
         self.epoch = 0  # recoveries so far (``shared`` keys: the exchange list of unit t depends on who is alive)
+        # time accounting (engine/timer.py): the replicas' running time, each one's turns waited, the MPI waits
+        self.ran = 0.0  # seconds any replica of the process ran, in all
+        self.turns: Dict[int, float] = {r: 0.0 for r in self.block}  # others' running time while r waited
+        self._ran_when_left: Dict[int, float] = {}
+        self.waited = 0.0  # seconds the process waited on other processes (collectives, exchanges between them)
 
     # ------------------------------------------------------------ the schedule
 
@@ -153,11 +159,15 @@ class Hub:
 
     def _resume(self, r: int, value: Any) -> Any:
         torch.set_rng_state(self._rng[r])
+        self.turns[r] += self.ran - self._ran_when_left.get(r, self.ran)  # the others ran meanwhile
+        start = time.perf_counter()
         try:
             if isinstance(value, _Throw):
                 return self._glets[r].throw(value.exc)
             return self._glets[r].switch() if value is _START else self._glets[r].switch(value)
         finally:
+            self.ran += time.perf_counter() - start
+            self._ran_when_left[r] = self.ran
             self._rng[r] = torch.get_rng_state()
 
     def wait(self, op) -> Any:
@@ -212,8 +222,10 @@ class Hub:
         requests = [q for op in self._network.values() for q in op.requests if q != MPI.REQUEST_NULL]
         if requests:
             what = f"Sendrecv of replicas {sorted(self._network)[:8]} with other processes"
+            start = time.perf_counter()
             with self.world.watchdog.waiting(what):
                 waitsome(MPI, requests)
+            self.waited += time.perf_counter() - start
         done = sorted(r for r, op in self._network.items() if all(q == MPI.REQUEST_NULL for q in op.requests))
         for r in done:
             del self._network[r]
@@ -231,7 +243,10 @@ class Hub:
             raise Disagreement(f"the replicas of process {self.world.rank} entered different collectives: "
                                f"{self._describe({})}")
         self._collective = {}
+        start = time.perf_counter()
         results = getattr(self, f"_c_{ops[0].name}")(ops)
+        if ops[0].name != "together":  # (work the replicas do as one is theirs: a stacked training step)
+            self.waited += time.perf_counter() - start
         return list(zip(self.block, results))
 
     def _c_allgather(self, ops: List[Collective]) -> List[Any]:
@@ -420,6 +435,12 @@ class ReplicaWorld(LogicalRanks):
 
     def shared(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         return self.hub.shared(key, compute)
+
+    def turn_seconds(self) -> float:
+        return self.hub.turns[self.rank]
+
+    def waited_seconds(self) -> float:
+        return self.hub.waited
 
     def together(self, key: Hashable, item: Any, compute: Callable[[List[Any]], List[Any]]) -> Any:
         """Wait until every replica of the process brings its ``item``; ``compute(items)`` runs once, in rank

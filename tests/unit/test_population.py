@@ -7,6 +7,8 @@ that wait on each other are reported instead of hanging. (Between processes: tes
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -158,6 +160,21 @@ def test_shared_work_is_computed_once_per_process(world):
 
     out = run(world, 4, replica)
     assert calls == [0] and all(o is out[0] for o in out)
+
+
+def test_a_replica_counts_the_time_the_others_of_its_process_ran_as_its_turn(world):
+    """Replica 0 works 0.3 s while replica 1 waits for its turn: that is replica 1's turn, not its idle time."""
+    def replica(w):
+        w.barrier()
+        if w.rank == 0:
+            time.sleep(0.3)
+        w.barrier()
+        return w.turn_seconds()
+
+    hub = population.Hub(world, 2)
+    turns = hub.run(lambda w: replica(w))
+    assert turns[1] >= 0.3 and turns[0] < 0.1 and hub.ran >= 0.3
+    assert hub.waited >= 0.0 and World.turn_seconds(world) == 0.0  # one replica per process: never a turn
 
 
 def test_shared_work_is_computed_again_after_a_loss(world):
