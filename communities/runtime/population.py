@@ -245,8 +245,12 @@ class Hub:
         self._collective = {}
         start = time.perf_counter()
         results = getattr(self, f"_c_{ops[0].name}")(ops)
-        if ops[0].name != "together":  # (work the replicas do as one is theirs: a stacked training step)
-            self.waited += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        if ops[0].name == "together":  # work done as one (a stacked step): a replica's share is its own, the rest
+            for r in self.block:       # the others' (its turn)
+                self.turns[r] += spent * (len(ops) - 1) / len(ops)
+        else:
+            self.waited += spent
         return list(zip(self.block, results))
 
     def _c_allgather(self, ops: List[Collective]) -> List[Any]:

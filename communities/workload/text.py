@@ -185,8 +185,8 @@ def _no_held_out_window(name: str, source: str, files: Sequence[str], sizes: Seq
                         context: int, fraction: float) -> str:
     """What to do when the held-out files give no window: the data.test_fraction that would, or more files."""
     total, share = sum(sizes), sum(s for s, h in zip(sizes, held_out) if h)
-    what = (f"data.dataset={name!r}: {source} gives no held-out window of data.lm.context={context} bytes at "
-            f"data.test_fraction={fraction} ({sum(held_out)} of {len(files)} files held out, {share} of {total} bytes)")
+    what = (f"data.dataset={name!r}: no held-out window of data.lm.context={context} bytes at data.test_fraction="
+            f"{fraction} in {source} ({sum(held_out)} of {len(files)} files held out, {share} of {total} bytes)")
     got = 0
     for k in sorted(range(len(files)), key=lambda k: (path_hash(files[k]), files[k]))[: min(len(files) - 1, 64)]:
         got += sizes[k]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -230,19 +231,45 @@ def test_models_are_loaded_with_their_digests_checked(tmp_path):
         run.models()
 
 
-def test_the_notebook_runs_to_the_end(tmp_path, monkeypatch):
+def _execute(cwd: Path, monkeypatch, run_dir: Optional[Path] = None):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     pytest.importorskip("matplotlib")
-    run_dir = make_run(tmp_path / "quickstart", n_ranks=8, n_rounds=6, groups=4, seed=0)
-    monkeypatch.setenv("COMMUNITIES_RUN", str(run_dir))
+    if run_dir is None:
+        monkeypatch.delenv("COMMUNITIES_RUN", raising=False)
+    else:
+        monkeypatch.setenv("COMMUNITIES_RUN", str(run_dir))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+                            resources={"metadata": {"path": str(cwd)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
-    text = " ".join(str(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "status complete, 8 ranks" in text
+    return " ".join(str(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_the_notebook_runs_to_the_end(tmp_path, monkeypatch):
+    run_dir = make_run(tmp_path / "quickstart", n_ranks=8, n_rounds=6, groups=4, seed=0)
+    assert "status complete, 8 ranks" in _execute(tmp_path, monkeypatch, run_dir)
+
+
+def test_the_notebook_finds_the_run_from_any_directory_or_makes_one(tmp_path, monkeypatch):
+    """From a directory under the one holding results/quickstart (Jupyter starts in docs/notebooks/), and from
+    one with no run anywhere above it (a synthetic run instead)."""
+    make_run(tmp_path / "repo" / "results" / "quickstart", n_ranks=8, n_rounds=6, groups=4, seed=2)
+    deep = tmp_path / "repo" / "docs" / "notebooks"
+    deep.mkdir(parents=True)
+    text = _execute(deep, monkeypatch)
+    assert "../../results/quickstart" in text and "synthetic run instead" not in text
+    (tmp_path / "elsewhere").mkdir()
+    assert "a synthetic run instead" in _execute(tmp_path / "elsewhere", monkeypatch)
+
+
+def test_the_notebook_is_saved_with_its_outputs():
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(c["outputs"] and c["execution_count"] for c in code)
+    assert not any(o["output_type"] == "error" for c in code for o in c["outputs"])
+    assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"])  # the trees, drawn

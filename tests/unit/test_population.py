@@ -176,6 +176,14 @@ def test_a_replica_counts_the_time_the_others_of_its_process_ran_as_its_turn(wor
     assert turns[1] >= 0.3 and turns[0] < 0.1 and hub.ran >= 0.3
     assert hub.waited >= 0.0 and World.turn_seconds(world) == 0.0  # one replica per process: never a turn
 
+    def stacked(w):  # a step the replicas take as one (train.vectorize): each one's share is its own, the rest
+        before = w.turn_seconds()  # the other's (its turn)
+        w.together("step", None, lambda items: [time.sleep(0.4)] * len(items))
+        return w.turn_seconds() - before
+
+    during = population.Hub(world, 2).run(stacked)
+    assert all(0.2 <= d < 0.35 for d in during), during
+
 
 def test_shared_work_is_computed_again_after_a_loss(world):
     """What the replicas share for unit t (the exchange list) depends on who is alive: a recovery starts over."""
