@@ -171,7 +171,8 @@ def read_bytes(root: str, files: Sequence[str], context: int, test_fraction: flo
                         f"bytes ({len(files)} files, {total} training bytes, {len(test_stream)} held-out bytes at "
                         f"data.test_fraction={test_fraction}); add text or shorten the context")
     if len(x_test) == 0:
-        raise DataError(_no_held_out_window(name, source, files, sizes, held_out, context, test_fraction))
+        raise DataError(_no_held_out_window(name, source, files=files, sizes=sizes, held_out=held_out,
+                                            context=context, fraction=test_fraction))
     keep = spaced(len(x_test), test_windows)
     split = (f"{sum(held_out)} of {len(files)} files held out, {len(test_stream) / max(sum(sizes), 1):.1%} of the "
              f"bytes at data.test_fraction={test_fraction}")
@@ -181,8 +182,8 @@ def read_bytes(root: str, files: Sequence[str], context: int, test_fraction: flo
                    np.ascontiguousarray(y_test[keep]), name, classes=256, text=meta)
 
 
-def _no_held_out_window(name: str, source: str, files: Sequence[str], sizes: Sequence[int], held_out: List[bool],
-                        context: int, fraction: float) -> str:
+def _no_held_out_window(name: str, source: str, *, files: Sequence[str], sizes: Sequence[int],
+                        held_out: List[bool], context: int, fraction: float) -> str:
     """What to do when the held-out files give no window: the data.test_fraction that would, or more files."""
     total, share = sum(sizes), sum(s for s, h in zip(sizes, held_out) if h)
     what = (f"data.dataset={name!r}: no held-out window of data.lm.context={context} bytes at data.test_fraction="

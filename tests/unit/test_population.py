@@ -173,8 +173,8 @@ def test_a_replica_counts_the_time_the_others_of_its_process_ran_as_its_turn(wor
 
     hub = population.Hub(world, 2)
     turns = hub.run(lambda w: replica(w))
-    assert turns[1] >= 0.3 and turns[0] < 0.1 and hub.ran >= 0.3
-    assert hub.waited >= 0.0 and World.turn_seconds(world) == 0.0  # one replica per process: never a turn
+    assert turns[1] >= 0.3 and turns[0] < 0.1 and hub.clock.ran >= 0.3
+    assert hub.clock.waited >= 0.0 and World.turn_seconds(world) == 0.0  # one replica per process: never a turn
 
     def stacked(w):  # a step the replicas take as one (train.vectorize): each one's share is its own, the rest
         before = w.turn_seconds()  # the other's (its turn)
