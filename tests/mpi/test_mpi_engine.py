@@ -96,7 +96,8 @@ def test_run_writes_the_results_layout(four, three, n):
     walls = [m["wall"] for m in metrics if m["rank"] == 0]
     assert walls == sorted(walls) and walls[0] > 0  # seconds since the run started, per unit
     assert s["bytes_sent_mean"] > 0
-    assert set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other"}
+    assert set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other", "turn"}
+    assert (s["time_split"]["turn"] > 0) == (n == 4)  # 4 replicas on 2 processes wait for their turns
     assert (s.get("placement") or {}).get("processes", n) == {4: 2, 3: 3}[n]  # 4 replicas on 2 processes
 
 
