@@ -36,6 +36,7 @@ setup(
         "mpi4py>=3.1",
         "pyyaml>=6",
         "pydantic>=2.4",
+        "omegaconf>=2.1",  # config overrides that merge, ${oc.env:VAR} interpolation (communities/overrides.py)
         "tqdm>=4.60",
         "greenlet>=2.0",  # populations: many replicas per MPI process (runtime/population.py)
         "psutil>=5.9",  # a launched job's processes, to find its ranks and end all of it (tools/jobs.py)

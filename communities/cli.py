@@ -1,12 +1,15 @@
-"""Command line: ``communities run | validate | inspect | compare | bench | slurm | export | dp-reference``.
+"""The command line: ``communities COMMAND ...``, every subcommand one row of ``COMMANDS``.
 
-``run`` is launched by ``mpiexec``/``srun``; every other command is a plain
-process. Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by
-SIGUSR1/SIGTERM or a ``results/<name>/STOP`` file after writing a checkpoint
-(continue with ``--resume``), anything else a failure. Errors a user can fix
-(config, data, run directory) print one line from rank 0 and exit 2 on every rank, before any rank trains; ``--debug``
-shows the traceback. Any other exception on any rank prints that rank's
-traceback and aborts the whole MPI job, so nothing hangs.
+The table gives the help, the usage line, the dispatch and the error for an unknown
+command; ``bench`` lists its benchmarks from its own table (``tools/bench/main.py``).
+
+``run`` is launched by ``mpiexec``/``srun``; every other command is a plain process.
+Exit codes: 0 done, 2 a user error (nothing trained), 75 stopped by SIGUSR1/SIGTERM or a
+``results/<name>/STOP`` file after writing a checkpoint (continue with ``--resume``),
+anything else a failure. Errors a user can fix (config, data, run directory) print one
+line from rank 0 and exit 2 on every rank, before any rank trains; ``--debug`` shows the
+traceback. Any other exception on any rank prints that rank's traceback and aborts the
+whole MPI job, so nothing hangs.
 """
 from __future__ import annotations
 
@@ -14,51 +17,66 @@ import argparse
 import importlib
 import logging
 import os
-import re
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from . import __version__, console
 from .errors import EXIT_PREEMPTED, EXIT_USER, UserError, is_collective
+from .parsers import Parser, plain_text
 
 log = logging.getLogger("communities")
 
-# Commands with their own argument parsers (they need neither MPI nor, for inspect, torch).
-DELEGATED = {
-    "inspect": (".report.inspection", "main_inspect"),
-    "compare": (".tools.compare", "main_compare"),
-    "bench": (".tools.bench.main", "main_bench"),
-    "slurm": (".tools.slurm", "main_slurm"),
-    "export": (".tools.export", "main_export"),
-    "dp-reference": (".tools.dp_reference", "main_dp_reference"),
-    "lm-reference": (".tools.lm_reference", "main_lm_reference"),
-}
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, its line in ``--help``, and who takes its arguments.
+
+    ``delegate`` (``module:function``) is a command with a parser of its own, imported only when called (most need
+    neither MPI nor torch); without one, ``arguments`` adds its options here and ``handler`` runs it.
+    """
+
+    name: str
+    help: Union[str, Callable[[], str]]
+    delegate: str = ""
+    arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None
+    handler: Optional[Callable[[argparse.Namespace], int]] = None
+
+    @property
+    def help_text(self) -> str:
+        return self.help() if callable(self.help) else self.help
+
+    def call(self, argv: List[str]) -> int:
+        module, function = self.delegate.split(":")
+        return getattr(importlib.import_module(module, __package__), function)(argv)
 
 
-def _run_parser(sub) -> None:
-    p = sub.add_parser("run", help="train under mpiexec/srun: communities run CONFIG [key.path=value ...]")
+def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=0.1 merge.rule=clock")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing results/<name>/")
+    start = p.add_mutually_exclusive_group()  # replacing a run and continuing it are opposites
+    start.add_argument("--overwrite", action="store_true", help="replace an existing results/<name>/")
+    start.add_argument("--resume", action="store_true",
+                       help="continue results/<name>/ from its last complete checkpoint (automatic when "
+                            "SLURM_RESTART_COUNT > 0)")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("--no-progress", action="store_true", help="no progress output on rank 0")
     _verbosity(p)
-    p.add_argument("--resume", action="store_true",
-                   help="continue results/<name>/ from its last complete checkpoint (automatic when "
-                        "SLURM_RESTART_COUNT > 0)")
 
 
-def _validate_parser(sub) -> None:
-    p = sub.add_parser("validate", help="check a config without MPI (a dry run of its data and model) and print it "
-                       "resolved", description="Check a config without MPI and print it resolved (stdout). A dry "
-                       "run (stderr) loads the dataset, calls a module:function dataset twice to see that it is "
-                       "deterministic, partitions it, builds the model and runs one forward pass.")
+def _validate_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Check a config without MPI and print it resolved (stdout). A dry run (stderr) loads the "
+                     "dataset, calls a module:function dataset twice to see that it is deterministic, partitions it, "
+                     "builds the model and runs one forward pass.")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--world-size", type=int, default=None, help="also check against this many ranks")
+    p.add_argument("--processes", type=int, default=None, metavar="P",
+                   help="also check the placement on P MPI processes: world_size replicas on P processes (P divides "
+                        "it: a population), or one replica per process without world_size")
+    p.add_argument("--world-size", dest="processes", type=int, help=argparse.SUPPRESS)  # the old name of --processes
     p.add_argument("--no-dry-run", action="store_true", help="check the config alone: load no data, build no model")
     p.add_argument("--debug", action="store_true")
     _verbosity(p)
@@ -69,19 +87,6 @@ def _verbosity(p) -> None:
     group.add_argument("-q", "--quiet", action="store_true", help="print warnings and errors only")
     group.add_argument("-v", "--verbose", action="store_true", help="also print debugging detail (data, shards, "
                        "every signature round)")
-
-
-def plain_text(doc: str) -> str:
-    """A docstring's first paragraph as help text: no reStructuredText markup (``code`` becomes code)."""
-    return re.sub(r"``([^`]*)``", r"\1", doc.split("\n\n")[0])
-
-
-def hide_subcommands(subparsers, *names: str) -> None:
-    """Leave internal subcommands (still callable) out of ``--help`` and the usage line."""
-    # argparse prints ==SUPPRESS== for a subcommand whose help is SUPPRESS; its list of shown choices is private
-    shown = [a for a in subparsers._choices_actions if a.dest not in names]
-    subparsers._choices_actions = shown
-    subparsers.metavar = "{" + ",".join(a.dest for a in shown) + "}"
 
 
 def version_text() -> str:
@@ -98,26 +103,24 @@ def version_text() -> str:
             f"Python {sys.version.split()[0]})")
 
 
+def _bench_help() -> str:
+    from .tools.bench.main import visible_benchmarks  # (light: the benchmarks import torch when they run)
+
+    return "benchmarks: bench " + " | ".join(visible_benchmarks())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="communities", description=plain_text(__doc__))
+    """The parser of ``run`` and ``validate``, with every command of ``COMMANDS`` in its help."""
+    names = " | ".join(c.name for c in COMMANDS)
+    parser = Parser(prog="communities", description=f"communities {names}. " + plain_text(__doc__.split("\n\n")[2]))
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
-    _run_parser(sub)
-    _validate_parser(sub)
-    sub.add_parser("inspect", help="dendrograms, timeline and report of runs: inspect RUN_DIR [RUN_DIR ...]",
-                   add_help=False)
-    sub.add_parser("compare", help="run a config under several strategies and seeds: compare SPEC.yaml",
-                   add_help=False)
-    sub.add_parser("bench", help="benchmarks: bench exchange | signature | clustering | partners | overhead | inspect "
-                                 "| vectorize | scale",
-                   add_help=False)
-    sub.add_parser("slurm", help="write (and --submit) an sbatch script for a config", add_help=False)
-    sub.add_parser("export", help="one model per community of a saved round: export RUN --round R --k K",
-                   add_help=False)
-    sub.add_parser("dp-reference", help="single-process Opacus DP-SGD on the pooled data, the privacy reference: "
-                                        "dp-reference CONFIG --epsilon 1 3 8 inf", add_help=False)
-    sub.add_parser("lm-reference", help="the language model trained centrally on the whole training split for the "
-                                        "run's tokens, the reference: lm-reference CONFIG", add_help=False)
+    for command in COMMANDS:
+        if command.delegate:  # listed here; its own parser reads its arguments
+            sub.add_parser(command.name, help=command.help_text, add_help=False)
+        else:
+            assert command.arguments is not None
+            command.arguments(sub.add_parser(command.name, help=command.help_text))
     return parser
 
 
@@ -130,15 +133,21 @@ def hook_search_path(config: str) -> None:
 
 def cmd_validate(args) -> int:
     from .config import load
+    from .refusals import check_placement
 
     cfg = load(args.config, args.overrides)
-    if args.world_size is not None:
-        cfg.check_world(args.world_size)
+    replicas = cfg.world_size
+    if args.processes is not None:
+        source = f"{args.processes} MPI processes (--processes {args.processes})"
+        replicas = check_placement(cfg, args.processes, source=source)
+        if replicas != args.processes and not args.quiet:
+            print(f"communities: world_size={replicas} replicas on {args.processes} MPI processes, "
+                  f"{replicas // args.processes} per process (a population)", file=sys.stderr)
     if not args.no_dry_run:
         from .workload.dry_run import dry_run
 
         hook_search_path(args.config)
-        for line in dry_run(cfg, args.world_size or cfg.world_size):
+        for line in dry_run(cfg, replicas):
             if not args.quiet:  # stderr: stdout is the resolved config
                 print(f"communities: {line}", file=sys.stderr)
     print(cfg.to_yaml(), end="")
@@ -159,6 +168,7 @@ def cmd_run(args) -> int:
     from .engine.state import survival
     from .engine.state.run_dir import Resume
     from .errors import ConfigError, Preempted, RunComplete, collective
+    from .refusals import check_placement
     from .runtime import population
     from .runtime.comm import World
     from .runtime.launcher import launcher_mismatch
@@ -184,10 +194,11 @@ def cmd_run(args) -> int:
     code = 0
     # the survivors of a lost rank resume one replica per process, as many as survived (engine/state/survival.py)
     survived = resume is not Resume.FRESH and survival.survivors(world, Path(cfg.output.root) / cfg.name) is not None
-    problem = None if survived else population.refusal(cfg, world.size)  # the same answer on every rank
-    if problem:
-        raise collective(ConfigError(problem))
-    replicas = world.size if survived else cfg.world_size or world.size
+    try:  # the same answer on every rank
+        replicas = world.size if survived else check_placement(
+            cfg, world.size, source=f"the {world.size} MPI processes of this job")
+    except ConfigError as exc:
+        raise collective(exc) from None
     options = dict(overwrite=args.overwrite, argv=sys.argv, progress=not (args.no_progress or args.quiet),
                    resume=resume)
     try:
@@ -217,6 +228,27 @@ def exit_without_finalize(code: int) -> None:
     os._exit(code)
 
 
+COMMANDS = (
+    Command("run", "train under mpiexec/srun: communities run CONFIG [key.path=value ...]",
+            arguments=_run_arguments, handler=cmd_run),
+    Command("validate", "check a config without MPI (a dry run of its data and model) and print it resolved",
+            arguments=_validate_arguments, handler=cmd_validate),
+    Command("inspect", "dendrograms, timeline and report of runs: inspect RUN_DIR [RUN_DIR ...]",
+            ".report.inspection:main_inspect"),
+    Command("compare", "run a config under several strategies and seeds: compare SPEC.yaml",
+            ".tools.compare:main_compare"),
+    Command("bench", _bench_help, ".tools.bench.main:main_bench"),
+    Command("slurm", "write (and --submit) an sbatch script for a config", ".tools.slurm:main_slurm"),
+    Command("export", "one model per community of a saved round: export RUN --round R --k K",
+            ".tools.export:main_export"),
+    Command("dp-reference", "single-process Opacus DP-SGD on the pooled data, the privacy reference: dp-reference "
+            "CONFIG --epsilon 1 3 8 inf", ".tools.dp_reference:main_dp_reference"),
+    Command("lm-reference", "the language model trained centrally on the whole training split for the run's tokens, "
+            "the reference: lm-reference CONFIG", ".tools.lm_reference:main_lm_reference"),
+)
+BY_NAME: Dict[str, Command] = {c.name: c for c in COMMANDS}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     code = _main(argv)
     from .runtime import ulfm  # (light: MPI loads only if a command used it)
@@ -232,9 +264,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if argv and argv[0] in ("--version", "-V"):
         print(version_text())
         return 0
-    if argv and argv[0] in DELEGATED:
-        module, function = DELEGATED[argv[0]]
-        return getattr(importlib.import_module(module, __package__), function)(argv[1:])
+    command = BY_NAME.get(argv[0]) if argv else None
+    if command is not None and command.delegate:
+        return command.call(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow options (``run cfg.yaml --overwrite train.lr=0.1``)
@@ -245,9 +277,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
         args.overrides = list(args.overrides) + extra
     console.configure(args.quiet, args.verbose)
     try:
-        if args.command == "validate":
-            return cmd_validate(args)
-        return cmd_run(args)
+        handler = BY_NAME[args.command].handler
+        assert handler is not None
+        return handler(args)
     except UserError as exc:
         if _mpi_world_size() > 1 and not is_collective(exc):
             _abort_job()  # raised on some ranks only: the others would wait forever

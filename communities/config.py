@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import difflib
+import functools
 import json
 import re
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any, Dict, List, Literal, Optional, Union, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import overrides as overrides_mod
 from .errors import ConfigError
+from .refusals import LM_DATASETS, first_refusal
 
 __all__ = ["Config", "ConfigError", "load", "from_dict", "from_json", "apply_overrides", "read_yaml"]
 
@@ -87,9 +90,6 @@ class LmData(_Section):
                                  "id in the files, plus one)")
     bytes_per_token: Optional[float] = Field(
         None, gt=0, description="tokens: the corpus's mean bytes per token, for bits per byte (none: not reported)")
-
-
-LM_DATASETS = ("pystdlib", "text", "tokens")
 
 
 class DataConfig(_Section):
@@ -732,7 +732,6 @@ class PbtConfig(_Section):
 Strategy = Literal["community", "gossip", "ring", "isolated", "local_sgd", "diloco", "allreduce", "ifca", "oracle"]
 STRATEGIES = get_args(Strategy)
 SYNCS_GRADIENTS = ("allreduce",)  # strategies that communicate inside a unit's training (every step)
-PAIRWISE = ("community", "gossip", "ring")  # strategies that merge in pairs (the ones protocol async runs)
 
 NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]+")
 SEED_BOUND = 2**32  # numpy's legacy RandomState and scikit-learn's random_state take seeds in [0, 2**32)
@@ -792,193 +791,16 @@ class Config(_Section):
         return seed
 
     @model_validator(mode="after")
-    def _protocol(self):
-        if self.protocol == "async":
-            if self.strategy not in PAIRWISE:
-                raise ValueError(f"protocol='async' runs the pairwise strategies {list(PAIRWISE)}, not "
-                                 f"strategy={self.strategy!r} (global averages need every rank at the same unit)")
-            if self.checkpoint.every:
-                raise ValueError(f"checkpoint.every={self.checkpoint.every} needs protocol='virtual_clock': under "
-                                 "async, ranks are at different units; checkpoints are taken at a stop and at the end")
-            if self.consensus.mode != "global":
-                raise ValueError(f"consensus.mode={self.consensus.mode!r} needs protocol='virtual_clock': freezing "
-                                 "the communities is a decision every rank takes at the same signature round")
-            if self.output.round_snapshots:
-                raise ValueError("output.round_snapshots=true needs protocol='virtual_clock' (signature rounds that "
-                                 "every rank takes at the same unit)")
-            posted = self._posted_refusal()
-            if posted is not None:
-                raise ValueError(f"comm.exchange='posted' is refused with {posted}: a posted exchange carries the "
-                                 "weights, a header and signature rows only")
-        elif self.comm.exchange != "sendrecv":
-            raise ValueError(f"comm.exchange={self.comm.exchange!r} needs protocol='async' (the virtual clock's "
-                             "exchange lists are walked in order, each a blocking Sendrecv)")
-        elif self.train.after_budget != "serve":
-            raise ValueError(f"train.after_budget={self.train.after_budget!r} needs protocol='async': under the "
-                             "virtual clock every rank finishes its budget at the same unit")
-        return self
-
-    def _posted_refusal(self) -> Optional[str]:
-        """What a posted exchange cannot carry, by name (None: nothing in the way)."""
-        if self.comm.exchange != "posted":
-            return None
-        mc = self.merge
-        if mc.optimizer_state == "average":
-            return "merge.optimizer_state='average' (the optimizer moments)"
-        if mc.partner_policy == "least_recent":
-            return "merge.partner_policy='least_recent' (the seen-at table)"
-        if mc.outer.enabled:
-            return "merge.outer.enabled=true (an outer step on the merge)"
-        if self.examples.pass_hard:
-            return "examples.pass_hard=true (hard examples)"
-        if self.pbt.enabled:
-            return "pbt.enabled=true (scores and hyperparameters)"
-        return None
-
-    @model_validator(mode="after")
-    def _privacy(self):
-        """Combinations that would break DP-SGD's guarantee on each replica's shard, refused by name."""
-        if not self.privacy.enabled:
-            return self
-        why = None
-        if self.examples.pass_hard:
-            why = "examples.pass_hard=true (it sends raw training examples to partners)"
-        elif self.examples.track:
-            why = ("examples.track=true (it scores every example of the shard without noise and retires or logs "
-                   "them by confidence)")
-        elif self.signature.kind in ("logits", "cka"):
-            why = (f"signature.kind={self.signature.kind!r} (its probe batch is training examples drawn from every "
-                   "rank's shard, sent as the model's outputs on them without noise)")
-        elif self.strategy == "ifca":
-            why = "strategy='ifca' (each rank picks its model by the loss on its shard, without noise)"
-        elif self.merge.rule == "loss":
-            why = "merge.rule='loss' (partners would be told each other's training loss, without noise)"
-        elif self.comm.fault_tolerance == "shrink" and self.comm.lost_shard == "adopt":
-            why = ("comm.lost_shard='adopt' (survivors would train on a lost rank's shard outside that shard's "
-                   "accounting)")
-        elif self.model.batchnorm:
-            why = "model.batchnorm=true (batch statistics mix the examples of a batch: no gradient is one example's)"
-        elif self.model.dropout > 0:
-            why = (f"model.dropout={self.model.dropout} (the clipping pass and the gradient pass would draw "
-                   "different masks)")
-        if why is not None:
-            raise ValueError(f"privacy.enabled=true is refused with {why}")
-        return self
-
-    @model_validator(mode="after")
-    def _mixing(self):
-        """The exact-averaging options ask every rank to mix at the same unit: the virtual clock's pairwise runs."""
-        schedule, every = self.partners.schedule, self.merge.average_every
-        if schedule == "hypercube":
-            if self.strategy not in ("community", "gossip"):
-                raise ValueError(f"partners.schedule='hypercube' is a schedule for strategy community or gossip, "
-                                 f"not strategy={self.strategy!r}")
-            if self.protocol != "virtual_clock":
-                raise ValueError("partners.schedule='hypercube' needs protocol='virtual_clock' (every rank takes "
-                                 "its stage at the same unit)")
-            if self.merge.partner_policy != "law":
-                raise ValueError(f"partners.schedule='hypercube' fixes every partner; merge.partner_policy="
-                                 f"{self.merge.partner_policy!r} would have nothing to choose")
-        if every:
-            if self.strategy not in PAIRWISE:
-                raise ValueError(f"merge.average_every={every} adds global averages to the pairwise strategies "
-                                 f"({', '.join(PAIRWISE)}); strategy={self.strategy!r} has merge.period")
-            if self.protocol != "virtual_clock":
-                raise ValueError(f"merge.average_every={every} needs protocol='virtual_clock' (an Allreduce every "
-                                 "rank enters at the same unit)")
-            if self.consensus.mode != "global":
-                raise ValueError(f"merge.average_every={every} averages the whole world: it would undo "
-                                 f"consensus.mode={self.consensus.mode!r}'s community models")
-        return self
-
-    @model_validator(mode="after")
-    def _pbt(self):
-        """What population-based training needs: pairwise merges to ride on, and a score both partners trust."""
-        pc = self.pbt
-        if not pc.enabled:
-            return self
-        why = None
-        if self.strategy not in PAIRWISE:
-            why = (f"strategy={self.strategy!r}: adoption rides on pairwise merges (strategies "
-                   f"{', '.join(PAIRWISE)})")
-        elif self.data.local_test_fraction <= 0:
-            why = ("data.local_test_fraction=0: each replica is scored on its own held-out data; set "
-                   "data.local_test_fraction (e.g. 0.1)")
-        elif self.privacy.enabled:
-            why = "privacy.enabled=true (the score, a loss on the shard's held-out part, travels without noise)"
-        elif "train.momentum" in pc.params and self.train.optimizer != "sgd":
-            why = f"pbt.params.train.momentum with train.optimizer={self.train.optimizer!r} (momentum is SGD's)"
-        elif pc.selection == "truncation" and self.protocol == "async":
-            why = ("pbt.selection='truncation' under protocol='async' (it ranks the whole population at a signature "
-                   "round; async has no such collective: use pbt.selection=tournament)")
-        elif any(k in pc.params for k in ("train.beta1", "train.beta2")) and self.train.optimizer != "adamw":
-            why = f"pbt.params.train.beta1/beta2 with train.optimizer={self.train.optimizer!r} (the betas are AdamW's)"
-        elif "merge.alpha" in pc.params and self.merge.rule not in ("constant", "clock", "loss"):
-            why = f"pbt.params.merge.alpha with merge.rule={self.merge.rule!r} (the rule does not use merge.alpha)"
-        elif "train.momentum" in pc.params and self.train.nesterov and pc.params["train.momentum"].low <= 0:
-            why = "pbt.params.train.momentum from 0 with train.nesterov=true (Nesterov needs a momentum > 0)"
-        late = [r for r in pc.start if self.world_size is not None and r >= self.world_size]
-        if why is None and late:
-            why = f"pbt.start naming replica {late[0]} of world_size={self.world_size}"
-        if why is not None:
-            raise ValueError(f"pbt.enabled=true is refused with {why}")
-        return self
-
-    @model_validator(mode="after")
-    def _language_model(self):
-        """A text corpus and the gpt model go together; what reads labels as classes is refused by name."""
-        lm = self.data.dataset in LM_DATASETS
-        if self.model.name == "gpt" and not lm:
-            raise ValueError(f"model.name='gpt' reads token windows: it needs data.dataset pystdlib, text or tokens, "
-                             f"not {self.data.dataset!r}")
-        if not lm:
-            return self
-        why = None
-        if self.model.name in ("mlp", "cnn1d"):
-            why = f"model.name={self.model.name!r} (a classifier of features; use gpt or a module:function model)"
-        elif self.privacy.enabled:
-            why = "privacy.enabled=true (per-example clipping of a sequence model is not built)"
-        elif self.examples.track or self.examples.pass_hard:
-            why = "examples.track (its per-example confidence is a classifier's)"
-        elif self.signature.kind in ("logits", "cka"):
-            why = f"signature.kind={self.signature.kind!r} (its probe is a classifier's; use a weight signature)"
-        elif self.train.vectorize == "on":
-            why = "train.vectorize=on (the stacked trainer is a classifier's; auto trains one replica after another)"
-        if why is not None:
-            raise ValueError(f"data.dataset={self.data.dataset!r} (a language model's corpus) is refused with {why}")
-        return self
-
-    @model_validator(mode="after")
-    def _fault_tolerance(self):
-        if self.comm.fault_tolerance != "shrink":
-            return self
-        why = None
-        if self.protocol == "async" and self.comm.exchange == "posted":
-            why = ("protocol='async' with comm.exchange='posted' (halves in flight on the revoked communicator "
-                   "could not be paired up again; comm.exchange=sendrecv survives a loss)")
-        elif self.strategy in ("ifca", "oracle"):
-            why = f"strategy={self.strategy!r} (its k shared models would need every rank's pick again)"
-        elif self.consensus.mode != "global":
-            why = f"consensus.mode={self.consensus.mode!r} (community models are formed over the whole world)"
-        elif self.signature.overlap:
-            why = "signature.overlap=true (a gather in flight cannot be rolled back)"
-        elif self.comm.lost_shard == "adopt" and self.examples.track:
-            why = "comm.lost_shard='adopt' with examples.track=true (the example table is per shard)"
-        if why is not None:
-            raise ValueError(f"comm.fault_tolerance='shrink' is not supported with {why}")
+    def _cross_section(self):
+        """Settings of different sections that do not go together: the first row of ``refusals.REFUSALS`` that holds."""
+        problem = first_refusal(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
     def _ifca_start(self):
         ic = self.ifca
-        if self.strategy == "oracle":
-            if ic.init != "random":
-                raise ValueError(f"ifca.init={ic.init!r} has nothing to start under strategy='oracle': its "
-                                 "assignment is the planted groups (ifca.init='random')")
-            if self.data.partition != "label_groups" and self.data.shift == "none" and ":" not in self.data.dataset:
-                raise ValueError(f"strategy='oracle' trains the planted groups, and data.dataset="
-                                 f"{self.data.dataset!r} with data.partition={self.data.partition!r} and "
-                                 "data.shift='none' has none: plant them (data.partition=label_groups or data.shift)")
         if self.strategy != "ifca" or ic.init == "random":
             return self
         units = ic.warmup_units * (ic.restarts if ic.init == "restarts" else 1)
@@ -989,53 +811,11 @@ class Config(_Section):
                              f"{self.train.budget} for IFCA itself")
         return self
 
-    @model_validator(mode="after")
-    def _groups(self):
-        """Data-parallel groups: what acts on one replica alone, or on every replica at every step, is refused."""
-        G = self.train.group_size
-        if G == 1:
-            return self
-        if self.world_size is not None and self.world_size % G:
-            raise ValueError(f"train.group_size={G} must divide world_size={self.world_size}")
-        why = None
-        if self.strategy in ("allreduce", "ifca", "oracle"):
-            why = {"allreduce": "strategy='allreduce' (every replica already averages gradients at every step)",
-                   "ifca": "strategy='ifca' (each replica picks a model by its own shard's loss)",
-                   "oracle": "strategy='oracle' (each replica trains its planted group's model)"}[self.strategy]
-        elif self.protocol == "async":
-            why = "protocol='async' (not built yet for groups: use the virtual clock)"
-        elif self.comm.fault_tolerance == "shrink":
-            why = "comm.fault_tolerance='shrink' (not built yet for groups: use abort and --resume)"
-        elif self.examples.track or self.examples.pass_hard:
-            why = "examples.track / examples.pass_hard (the example table is one replica's shard)"
-        else:
-            f = self.faults
-            named = [k for k, on in (("faults.nan_rank", f.nan_rank is not None),
-                                     ("faults.hostile_rank", f.hostile_rank is not None),
-                                     ("faults.stall_rank", f.stall_rank is not None), ("faults.speed", bool(f.speed)),
-                                     ("faults.kill", bool(f.kill)), ("faults.jitter", f.jitter > 0),
-                                     ("faults.slow_max", f.slow_max > 0)) if on]
-            if named:
-                why = f"{named[0]} (it acts on one replica, which its group would have to follow)"
-        if why is not None:
-            raise ValueError(f"train.group_size={G} is refused with {why}")
-        return self
-
-    @model_validator(mode="after")
-    def _consensus_mode(self):
-        mode = self.consensus.mode
-        if mode != "global" and self.strategy != "community":
-            raise ValueError(f"consensus.mode={mode!r} delivers the communities of strategy 'community'; "
-                             f"strategy={self.strategy!r} has none (consensus.mode='global')")
-        if mode == "auto" and self.data.local_test_fraction <= 0:
-            raise ValueError("consensus.mode='auto' decides from the members' local validation data: it needs "
-                             "data.local_test_fraction > 0")
-        return self
-
     def check_world(self, world: int) -> None:
         """Checks that need the world size; raise ConfigError naming the key."""
         if self.world_size is not None and self.world_size != world:
-            raise ConfigError(f"world_size={self.world_size} but MPI started {world} ranks")
+            raise ConfigError(f"world_size={self.world_size} replicas, but this world has {world} (placing replicas on "
+                              "processes: refusals.check_placement)")
         if (self.data.partition == "label_groups" or self.data.shift != "none") and self.data.groups > world:
             raise ConfigError(
                 f"data.groups={self.data.groups} planted groups need at least as many ranks; world size is {world}"
@@ -1099,6 +879,15 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> List[str]:
     return keys
 
 
+def _schedule_hint(key: str, value: Any) -> str:
+    """What a schedule looks like, for a key given something else (``clustering.k=3``)."""
+    v = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 3
+    return (f"takes a schedule, not a single value: a mapping annealed from start to end, such as {{start: 4, end: 1, "
+            f"shape: linear, begin: 0, horizon: 100}} (shape linear, cosine, exp or constant; unwritten fields keep "
+            f"their defaults). A constant {v} is {key}='{{start: {v}, end: {v}}}' on the command line, or {key}.start="
+            f"{v} {key}.end={v} (got {value!r})")
+
+
 def _format_error(err: dict, raw: dict) -> str:
     loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
     value = raw
@@ -1110,6 +899,10 @@ def _format_error(err: dict, raw: dict) -> str:
         return f"unknown key {loc!r}{hint}"
     msg = err["msg"].removeprefix("Value error, ")
     where = f"{loc}: " if loc else ""
+    if err["type"] == "model_type":  # a value where a section goes: say what the section looks like
+        if (err.get("ctx") or {}).get("class_name") == "Schedule":
+            return f"{where}{_schedule_hint(loc, value)}"
+        return f"{where}takes a section of keys (a mapping), not a single value (got {value!r})"
     if value is not None and not isinstance(value, dict) and f"{value}" not in msg:
         return f"{where}{msg} (got {value!r})"
     return f"{where}{msg}"
@@ -1234,15 +1027,27 @@ def _override_path(key: str) -> List[str]:
     return parts
 
 
-def apply_overrides(raw: dict, overrides: List[str]) -> dict:
-    """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict.
+@functools.lru_cache(maxsize=1)
+def _defaults_json() -> str:
+    return json.dumps(Config().model_dump())
 
-    An override merges into what is there: a section the file leaves out starts
-    from its default, so ``merge.ema.end=0.4`` keeps the default schedule's other
-    fields (a schedule written in the file is taken as written).
+
+def defaults() -> dict:
+    """The default config as a plain dict (a fresh copy)."""
+    return json.loads(_defaults_json())
+
+
+def apply_overrides(raw: dict, overrides: List[str]) -> dict:
+    """Apply ``a.b.c=value`` strings (values parsed as YAML) to a config's plain dict (``overrides.merge_override``).
+
+    An override merges into what is there: a mapping merges into the section it names, and a section the file
+    leaves out starts from its default, so ``merge.ema.end=0.4`` and ``merge.ema={end: 0.4}`` both keep the
+    schedule's other fields. A free-form table (``faults.speed``, ``pbt.params``, ...) given whole replaces the
+    file's. Interpolations are left for ``load`` to resolve.
     """
     out = plain(raw)
-    defaults = Config().model_dump()
+    base = defaults()
+    free = overrides_mod.tables(Config)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
@@ -1250,16 +1055,11 @@ def apply_overrides(raw: dict, overrides: List[str]) -> dict:
         parts = _override_path(key.strip())
         if not all(parts):
             raise ConfigError(f"override {item!r} has an empty key")
-        node, default = out, defaults
-        for p in parts[:-1]:
-            default = default.get(p) if isinstance(default, dict) else None
-            if p not in node:
-                node[p] = json.loads(json.dumps(default)) if isinstance(default, dict) else {}
-            nxt = node[p]
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {item!r}: {p!r} is a value, not a section")
-            node = nxt
-        node[parts[-1]] = _parse_scalar(text, key.strip())
+        try:
+            overrides_mod.merge_override(out, parts, _parse_scalar(text, key.strip()), base,
+                                         replace=".".join(parts) in free)
+        except ConfigError as exc:
+            raise ConfigError(f"override {item!r}: {exc}") from None
     return out
 
 
@@ -1302,10 +1102,23 @@ def read_yaml(path: Union[str, Path], what: str = "config") -> Any:
 
 
 def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
-    """Read YAML at ``path``, apply overrides, validate. Every failure is a ConfigError naming the file."""
+    """Read YAML at ``path``, apply overrides, resolve interpolations, validate, and fill a name template.
+
+    Every failure is a ConfigError naming the file and the key (docs/getting-started/quickstart.md, "Configs")."""
     raw = read_yaml(path)
     merged = apply_overrides(raw, overrides or [])
-    if isinstance(merged, dict):
+    try:
+        merged = overrides_mod.resolve(merged, defaults())
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    template = merged.get("name")
+    if overrides_mod.is_template(template):  # resolved from the validated config: defaults and overrides included
+        draft = from_dict({**merged, "name": "run"}, source=str(path))
+        try:
+            merged["name"] = overrides_mod.render_name(template, draft.model_dump(), _override_path)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    else:
         name = run_name(path, raw, merged, overrides or [])
         if name is not None:
             merged["name"] = name

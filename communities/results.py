@@ -524,6 +524,7 @@ class TimeCategory(str, Enum):
     IDLE = "idle"
     EVAL = "eval"
     OTHER = "other"
+    TURN = "turn"  # a population's replica waiting while the other replicas of its process run (0: one per process)
 
 
 TIME_CATEGORIES = tuple(c.value for c in TimeCategory)  # the plain names, in the order of summary.json
@@ -754,7 +755,26 @@ class Run:
         return read_jsonl(self.path / "metrics.jsonl")
 
     def consensus_evals(self) -> List[dict]:
-        return read_jsonl(self.path / "consensus.jsonl")
+        """consensus.jsonl's evaluations, ending with the run's final one, marked ``final: true``.
+
+        The final evaluation (summary.json's ``consensus_test_acc``, the run's headline) is taken after the last
+        unit, which the file's evaluations every ``output.consensus_every`` units need not reach: it is added as
+        a row at ``t = units`` where the file's last row is not it. Without a summary (a run not finished), the
+        file's rows alone."""
+        rows = read_jsonl(self.path / "consensus.jsonl")
+        s = self.record
+        if s is None:
+            return rows
+        last = rows[-1] if rows else {}
+        if last.get("t") == s.units and last.get("test_acc") == s.consensus_test_acc:
+            rows[-1] = {**last, "final": True}
+            return rows
+        final: Dict[str, Any] = {"t": s.units, "test_acc": s.consensus_test_acc, "test_loss": s.consensus_test_loss}
+        if s.consensus_test_bpb is not None:
+            final["test_bpb"] = s.consensus_test_bpb
+        if "wall" in last:  # protocol async: the curve is over wall time
+            final["wall"] = s.wall_time
+        return rows + [{**final, "final": True}]
 
     def merges(self) -> List[dict]:
         return read_jsonl(self.path / "merges.jsonl")
@@ -821,8 +841,9 @@ def list_rounds(rounds_dir: Path):
     return complete, problems
 
 
-def open_run(path: Path) -> Run:
-    """Open a (possibly partial) run; only complete round directories are listed (see ``Run``)."""
+def read_run(path: Path) -> Run:
+    """Read a (possibly partial) run's files; only complete round directories are listed (see ``Run``). The
+    checked view of a run, with its frames, is ``communities.open_run`` (report/api.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ResultsError(f"{path}: not a run directory")

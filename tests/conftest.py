@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from communities import console
+
 # A config that trains in seconds: synthetic data, small MLP, 2 planted groups.
 TINY = """
 name: tiny
@@ -30,3 +32,11 @@ def tiny_config(tmp_path) -> Path:
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
     return cfg
+
+
+@pytest.fixture(autouse=True, scope="session")
+def command_line_console():
+    """The engine's messages printed as the command line prints them (``import communities`` leaves logging to
+    the program; tests that run the engine in this process read its messages from stdout and stderr)."""
+    console.configure()
+

@@ -71,21 +71,6 @@ class GroupLayout:
             raise ValueError(f"{arr.shape[0]} rows for {self.replicas} replicas")
         return arr[:: self.size]
 
-    def placement_problem(self, processes: int) -> Optional[str]:
-        """Why groups of ``size`` cannot sit on ``processes`` processes holding contiguous blocks (None: they can).
-
-        A group lies inside one process (G divides the block) or spans whole blocks (the block divides G), so that
-        every step's gradient average is a tree in one process's memory, or one Allreduce among processes that host
-        nothing else."""
-        if self.size == 1 or processes <= 0 or self.replicas % processes:
-            return None
-        block = self.replicas // processes
-        if block % self.size == 0 or self.size % block == 0:
-            return None
-        return (f"train.group_size={self.size} with world_size={self.replicas} on {processes} processes "
-                f"({block} replicas each): a group must lie inside one process (group_size dividing {block}) or "
-                f"span whole processes ({block} dividing group_size)")
-
     def spans_processes(self, processes: int) -> bool:
         """Whether a group's members sit on more than one process."""
         return processes > 0 and self.size > self.replicas // max(processes, 1)

@@ -79,7 +79,7 @@ class Engine:
         deterministic_algorithms()
         local_rank = world.local_rank if cfg.device != "cpu" else 0  # a collective: before on_every_rank
         device = on_every_rank(world, lambda: select_device(cfg.device, local_rank))
-        self.timer = Timer()
+        self.timer = Timer(turns=world.turn_seconds, waits=world.waited_seconds)
         self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
         self.agreement = RunningDigest()
         # train.group_size > 1: the algorithm's parts see the groups (a group's lead speaks for it across groups);

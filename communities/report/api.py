@@ -24,7 +24,10 @@ The frames (columns in order; a missing number is NaN, a missing id ``<NA>``):
   round or a partner). A lagged signature round (``signature.overlap``) takes effect one round later
   than the round named here.
 - ``consensus`` (consensus.jsonl, one row per evaluation of the consensus model): ``t``, ``test_acc``,
-  ``test_loss`` and ``local_acc`` with local test data (and a language model's ``test_bpb``).
+  ``test_loss``, ``final`` and ``local_acc`` with local test data (and a language model's ``test_bpb``).
+  A finished run's last row is its final evaluation (``final`` true: summary.json's
+  ``consensus_test_acc`` at ``t = units``), added where the evaluations every
+  ``output.consensus_every`` units stop short of it.
 - ``rounds`` (one row per complete round): ``round``, ``t``, ``n_communities``, ``cut_height``,
   ``dispersion``, ``mean_update_norm``, ``p_cross``, ``temperature``, ``cophenetic`` (how well the tree
   keeps the signature distances), ``ari`` (against the planted groups; NaN without them), ``law``,
@@ -35,7 +38,8 @@ The frames (columns in order; a missing number is NaN, a missing id ``<NA>``):
   read as such: inspect's timeline) and ``group`` (the planted group, ``<NA>`` without one).
 
 ``open_runs`` stacks the frames of several runs with a first column ``run``, so that a comparison
-is one ``groupby("run")``.
+is one ``groupby("run")``, and its ``table()`` has one row per run: the run, its status, the config
+keys that differ between the runs (a sweep's) and the summary's figures (``SUMMARY_COLUMNS``).
 """
 from __future__ import annotations
 
@@ -53,11 +57,17 @@ from .figures import recursion_limit
 
 METRIC_COLUMNS = ("t", "rank", "loss", "train_acc", "test_acc", "test_loss", "samples", "bytes_sent", "wall")
 MERGE_COLUMNS = ("t", "i", "j", "initiator", "a", "update_norm", "distance", "bytes", "rule", "event")
-CONSENSUS_COLUMNS = ("t", "test_acc", "test_loss")
+CONSENSUS_COLUMNS = ("t", "test_acc", "test_loss", "final")
 ROUND_COLUMNS = ("round", "t", "n_communities", "cut_height", "dispersion", "mean_update_norm", "p_cross",
                  "temperature", "cophenetic", "ari", "law", "k", "cut", "linkage", "metric", "hash")
 TIMELINE_COLUMNS = ("round", "t", "rank", "label", "community", "group")
+# Runs.table's figures of each run (summary.json; missing until a run finishes), after its status and config keys
+SUMMARY_COLUMNS = ("consensus_test_acc", "consensus_test_loss", "consensus_test_bpb", "mean_rank_acc",
+                   "best_rank_acc", "units", "rounds", "merges", "consensus_reached_t", "first_round_ari",
+                   "final_dispersion", "bytes_sent_mean", "wall_time")
+_COUNTS = {"units", "rounds", "merges", "consensus_reached_t"}
 _TEXT = {"rule", "event", "law", "cut", "linkage", "metric", "hash"}
+_FLAGS = {"final"}  # true on one row, false on the others
 _IDS = {"t", "rank", "i", "j", "initiator", "samples", "bytes_sent", "bytes", "round", "n_communities", "k"}
 
 
@@ -77,6 +87,9 @@ def _frame(rows: List[dict], columns: Sequence[str]):
     df = df.reindex(columns=list(columns) + extra)
     for c in df.columns:
         if c in _TEXT:
+            continue
+        if c in _FLAGS:
+            df[c] = df[c].eq(True)
             continue
         if c in _IDS:
             df[c] = pd.to_numeric(df[c]).astype("Int64")
@@ -373,6 +386,47 @@ class Runs:
 
     def communities_over_time(self):
         return self._stack([r.communities_over_time() for r in self.runs])
+
+    def table(self, keys: Optional[Sequence[str]] = None):
+        """One row per run, for comparing a sweep: ``run``, ``status``, config keys as dotted columns, then the
+        summary's figures (``SUMMARY_COLUMNS``; missing until a run finished, ``consensus_test_bpb`` a language
+        model's). ``keys`` (default: every key whose value differs between the runs, ``name`` aside) picks the
+        config columns; a key a run's config lacks is missing there."""
+        pd = _pandas()
+        flat = [_flatten(r.config) for r in self.runs]
+        if keys is None:
+            every = list(dict.fromkeys(k for f in flat for k in f))
+            keys = [k for k in every if k != "name" and len({_hashable(f.get(k)) for f in flat}) > 1]
+        rows = []
+        for label, run, f in zip(self.labels, self.runs, flat):
+            s = run.summary
+            row: Dict[str, Any] = {"run": label, "status": run.status}
+            row.update({k: f.get(k) for k in keys})
+            row.update({c: getattr(s, c, None) if s is not None else None for c in SUMMARY_COLUMNS})
+            rows.append(row)
+        df = pd.DataFrame(rows, columns=["run", "status", *keys, *SUMMARY_COLUMNS])
+        for c in SUMMARY_COLUMNS:
+            df[c] = pd.to_numeric(df[c]).astype("Int64" if c in _COUNTS else "float64")
+        return df
+
+
+def _flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """A config as dotted keys (``train.lr``); lists and the free-form tables' entries stay values."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix.rstrip("."): tree} if prefix else {}
+    out: Dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v and all(isinstance(x, str) and not x.isdigit() for x in v):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _hashable(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def open_run(path: Union[str, Path]) -> RunData:

@@ -30,7 +30,7 @@ from scipy.spatial.distance import pdist
 
 from .. import manifest, runlock
 from ..core.clustering import adjusted_rand
-from ..results import LanguageModel, ResultsError, Run, load_round, open_run, read_json, read_jsonl
+from ..results import LanguageModel, ResultsError, Run, load_round, read_json, read_jsonl, read_run
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -326,7 +326,7 @@ def load_view(path: Path) -> RunView:
 
 def _open_view(path: Path) -> RunView:
     """The run's JSON files checked, its world size, planted groups and label: a view with no series yet."""
-    run = open_run(path)
+    run = read_run(path)
     meta_p = path / "meta.json"
     for fname, obj in (("meta.json", run.meta), ("partition.json", run.partition), ("summary.json", run.summary)):
         if obj is not None and not isinstance(obj, dict):
@@ -738,9 +738,10 @@ def mode_text(mode: dict) -> str:
 
 
 def wall_split_text(split: Dict[str, float]) -> str:
-    """The time split as shares of its total (the categories partition each rank's wall time)."""
+    """The time split as shares of its total (the categories partition each rank's wall time); a population's
+    ``turn`` (a replica waiting while the others of its process ran) only where there is one."""
     total = sum(split.values()) or 1.0
-    return " / ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items())
+    return " / ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items() if k != "turn" or v > 0)
 
 
 def round_rows(view: RunView) -> List[Dict[str, object]]:

@@ -61,6 +61,16 @@ class LogicalRanks(Traffic):
         """Whether this rank is the lead (``lead``)."""
         return self.rank == self.membership.lead
 
+    def turn_seconds(self) -> float:
+        """Seconds this rank has waited while other replicas of its process ran (a population's: one replica per
+        process never waits for a turn)."""
+        return 0.0
+
+    def waited_seconds(self) -> float:
+        """Seconds this rank's process has waited on other processes in a population's collectives and exchanges,
+        and its replicas with it (0 with one replica per process, whose waits its own timer sees)."""
+        return 0.0
+
     def root(self, root: Optional[int]) -> int:
         """A collective's root: ``root``, or the lead when None."""
         return self.membership.lead if root is None else int(root)

@@ -27,6 +27,7 @@ clustering, the dataset) is computed once: ``shared``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
@@ -44,37 +45,6 @@ from .ulfm import RankLost
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
 TAG_KINDS = 16  # message kinds (``tags.Tag``) below this: a network tag is (src, dst, kind)
-
-
-def refusal(cfg, processes: int) -> Optional[str]:
-    """Why ``cfg`` cannot run with several replicas per process, naming the key (None: it can)."""
-    n = cfg.world_size
-    if n is None or n == processes:
-        return None
-    try:
-        Placement(n, processes)
-    except ValueError as exc:  # P does not divide N: the message names both
-        return str(exc)
-    G = cfg.train.group_size
-    if G > 1 and n % G == 0:
-        problem = GroupLayout(n, G).placement_problem(processes)
-        if problem is not None:
-            return problem
-    why = []
-    if cfg.protocol == "async":
-        why.append("protocol=async (its replicas serve each other between batches: one replica per process)")
-    if cfg.device not in ("cpu",):
-        why.append(f"device={cfg.device!r} (replicas in one process run on the CPU for now)")
-    if cfg.faults.speed:
-        why.append("faults.speed (it acts on a process)")
-    if cfg.faults.kill and cfg.comm.fault_tolerance != "shrink":
-        why.append("faults.kill without comm.fault_tolerance=shrink (it kills a process)")
-    if cfg.faults.stall_rank is not None:
-        why.append("faults.stall_rank (it stalls a process)")
-    if not why:
-        return None
-    return (f"world_size={n} replicas on {processes} MPI processes ({n // processes} per process) does not "
-            f"support {'; '.join(why)}: start {n} processes, one replica each")
 
 
 # ---------------------------------------------------------------- what a replica waits on
@@ -112,9 +82,8 @@ class Hub:
         self.block_set = frozenset(self.block)
         b = self.placement.per_process
         if b * b * TAG_KINDS > world.tag_limit:
-            raise ConfigError(f"world_size={replicas} on {world.size} processes puts {b} replicas in each, more "
-                              f"than this MPI's tags can name pairwise (MPI_TAG_UB {world.tag_limit}): start more "
-                              f"processes")
+            raise ConfigError(f"world_size={replicas} on {world.size} processes puts {b} replicas in each, more than "
+                              f"this MPI's tags can name pairwise (MPI_TAG_UB {world.tag_limit}): start more processes")
         self.memo: Dict[Hashable, Any] = {}
         self._timeout_set: Optional[float] = None
         self._glets: Dict[int, Any] = {}
@@ -127,6 +96,7 @@ class Hub:
         self._worlds: Dict[int, "ReplicaWorld"] = {}
         self.membership = Membership(replicas)  # the replicas alive: a lost process takes its block with it
         self.epoch = 0  # recoveries so far (``shared`` keys: the exchange list of unit t depends on who is alive)
+        self.clock = Clock(self.block)  # where the process's time goes (engine/timer.py)
 
     # ------------------------------------------------------------ the schedule
 
@@ -174,7 +144,7 @@ class Hub:
             ready.extend(self._wait_network())
         else:
             raise RuntimeError(f"replicas of process {self.world.rank} wait on each other: "
-                               f"{self._describe(results)}")
+                               f"{_waiting_on(self, results)}")
 
     def _lost(self, exc: RankLost, results: Dict[int, Any]) -> Deque[Tuple[int, Any]]:
         """A peer process was lost: what each replica waited on is void; each gets the ``RankLost`` to recover."""
@@ -190,22 +160,16 @@ class Hub:
     def _resume(self, r: int, value: Any) -> Any:
         torch.set_rng_state(self._rng[r])
         try:
-            if isinstance(value, _Throw):
-                return self._glets[r].throw(value.exc)
-            return self._glets[r].switch() if value is _START else self._glets[r].switch(value)
+            with self.clock.running(r):
+                if isinstance(value, _Throw):
+                    return self._glets[r].throw(value.exc)
+                return self._glets[r].switch() if value is _START else self._glets[r].switch(value)
         finally:
             self._rng[r] = torch.get_rng_state()
 
     def wait(self, op) -> Any:
         """Called by the running replica: hand ``op`` to the hub and sleep until it is complete."""
         return self._main.switch(op)
-
-    def _describe(self, results: Dict[int, Any]) -> str:
-        parts = [f"replica {r} in {c.what}" for r, c in sorted(self._collective.items())]
-        parts += [f"replica {r} in a Sendrecv with replica {x.peer}" for r, x in sorted(self._p2p.items())]
-        parts += self.groups.describe() if self.groups is not None else []
-        parts += [f"replica {r} finished" for r in sorted(results)]
-        return "; ".join(parts)
 
     # ------------------------------------------------------------ point to point
 
@@ -252,7 +216,7 @@ class Hub:
         requests = [q for op in self._network.values() for q in op.requests if q != MPI.REQUEST_NULL]
         if requests:
             what = f"Sendrecv of replicas {sorted(self._network)[:8]} with other processes"
-            with self.world.watchdog.waiting(what):
+            with self.world.watchdog.waiting(what), self.clock.waiting():
                 waitsome(MPI, requests)
         done = sorted(r for r, op in self._network.items() if all(q == MPI.REQUEST_NULL for q in op.requests))
         for r in done:
@@ -264,14 +228,15 @@ class Hub:
     def _run_collective(self, finished: Dict[int, Any]) -> List[Tuple[int, Any]]:
         if finished:
             raise RuntimeError(f"replicas of process {self.world.rank} finished while others wait in a collective: "
-                               f"{self._describe(finished)}")
+                               f"{_waiting_on(self, finished)}")
         ops = [self._collective[r] for r in self.block]
         names = {op.name for op in ops}
         if len(names) > 1:
             raise Disagreement(f"the replicas of process {self.world.rank} entered different collectives: "
-                               f"{self._describe({})}")
+                               f"{_waiting_on(self, {})}")
         self._collective = {}
-        results = getattr(self, f"_c_{ops[0].name}")(ops)
+        with self.clock.together() if ops[0].name == "together" else self.clock.waiting():
+            results = getattr(self, f"_c_{ops[0].name}")(ops)
         return list(zip(self.block, results))
 
     def _c_allgather(self, ops: List[Collective]) -> List[Any]:
@@ -398,6 +363,57 @@ class Hub:
             self.world.set_timeout(timeout)
 
 
+def _waiting_on(hub: Hub, results: Dict[int, Any]) -> str:
+    """What each replica of ``hub`` waits in, or that it finished (for an error that shows a stuck schedule)."""
+    parts = [f"replica {r} in {c.what}" for r, c in sorted(hub._collective.items())]
+    parts += [f"replica {r} in a Sendrecv with replica {x.peer}" for r, x in sorted(hub._p2p.items())]
+    parts += hub.groups.describe() if hub.groups is not None else []
+    parts += [f"replica {r} finished" for r in sorted(results)]
+    return "; ".join(parts)
+
+
+class Clock:
+    """Where a process's time goes, for the replicas' timers (engine/timer.py): each replica's turns (the others'
+    running time while it waited), and the process's waits on other processes."""
+
+    def __init__(self, block: range):
+        self.ran = 0.0  # seconds any replica of the process ran, in all
+        self.turns: Dict[int, float] = {r: 0.0 for r in block}
+        self._ran_when_left: Dict[int, float] = {}
+        self.waited = 0.0  # seconds in collectives and exchanges between processes
+
+    @contextlib.contextmanager
+    def running(self, r: int) -> Iterator[None]:
+        """Replica ``r`` runs: what the others ran since it left is its turn."""
+        self.turns[r] += self.ran - self._ran_when_left.get(r, self.ran)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ran += time.perf_counter() - start
+            self._ran_when_left[r] = self.ran
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The process waits on (or exchanges with) other processes."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Work every replica does as one (a stacked step): each one's share is its own, the rest its turn."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent, n = time.perf_counter() - start, len(self.turns)
+            for r in self.turns:
+                self.turns[r] += spent * (n - 1) / n
+
+
 @dataclass
 class _Throw:
     """What a waiting replica is resumed with when a peer process was lost: the exception to raise in it."""
@@ -447,6 +463,12 @@ class ReplicaWorld(LogicalRanks):
 
     def shared(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         return self.hub.shared(key, compute)
+
+    def turn_seconds(self) -> float:
+        return self.hub.clock.turns[self.rank]
+
+    def waited_seconds(self) -> float:
+        return self.hub.clock.waited
 
     def together(self, key: Hashable, item: Any, compute: Callable[[List[Any]], List[Any]]) -> Any:
         """Wait until every replica of the process brings its ``item``; ``compute(items)`` runs once, in rank

@@ -89,11 +89,11 @@ def export(run_dir: Path, round_index: int, k: Optional[int] = None, height: Opt
     import torch
 
     from .. import config as config_mod
-    from ..results import ResultsError, atomic_write_bytes, atomic_write_json, load_round, open_run
+    from ..results import ResultsError, atomic_write_bytes, atomic_write_json, load_round, read_run
     from ..workload import data, models, train
 
     run_dir = Path(run_dir)
-    run = open_run(run_dir)
+    run = read_run(run_dir)
     n = run.world_size
     by_index = {int(p.name.split("_", 1)[1]): p for p in run.round_paths if p.name.split("_", 1)[1].isdigit()}
     if round_index not in by_index:

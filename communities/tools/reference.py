@@ -348,8 +348,9 @@ def command_parsers() -> List[Tuple[str, str, argparse.ArgumentParser]]:
     top = cli.build_parser()
     out = []
     for name, helptext, sub in subcommands(top):
-        if name in cli.DELEGATED:  # the top parser holds a stub; the command's own parser is in its module
-            module, function = cli.DELEGATED[name]
+        command = cli.BY_NAME.get(name)
+        if command is not None and command.delegate:  # the top parser holds a stub; its own parser is in its module
+            module, function = command.delegate.split(":")
             sub = captured_parser(getattr(importlib.import_module(module, "communities"), function))
         out.append((name, helptext, sub))
     return out

@@ -180,6 +180,7 @@ def _has_run(run_dir: Path) -> bool:
 def generate(args: argparse.Namespace) -> Tuple[Path, Path]:
     """Validate, render and write the script; return (script, run directory)."""
     from ..config import ConfigError, load
+    from ..refusals import check_placement
 
     cfg = load(args.config, args.overrides)
     workdir = Path.cwd()
@@ -202,18 +203,11 @@ def generate(args: argparse.Namespace) -> Tuple[Path, Path]:
             found = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", template_text(), re.M)
             per_node = int(found.group(1)) if found else 1
     ranks = nodes * per_node
-    try:
-        if cfg.world_size is not None and ranks < cfg.world_size and cfg.world_size % ranks == 0:
-            from ..runtime.population import refusal  # a population: world_size replicas on fewer processes
-
-            problem = refusal(cfg, ranks)
-            if problem:
-                raise ConfigError(problem)
-            cfg.check_world(cfg.world_size)
-        else:
-            cfg.check_world(ranks)
+    tasks = f"{ranks} MPI processes (--nodes={nodes} x --ntasks-per-node={per_node})"
+    try:  # the placement check of communities run and validate: world_size replicas on the job's tasks
+        check_placement(cfg, ranks, source=tasks)
     except ConfigError as exc:
-        raise SlurmError(f"{exc} (the job has --nodes={nodes} x --ntasks-per-node={per_node} ranks)") from None
+        raise SlurmError(str(exc) if tasks in str(exc) else f"{exc} (the job has {tasks})") from None
 
     python = args.python or sys.executable
     if args.python and not (shutil.which(python) or Path(python).exists()):

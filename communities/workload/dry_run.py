@@ -64,7 +64,8 @@ def dry_run(cfg, world_size: Optional[int]) -> List[str]:
                      + (f"; data.shift={cfg.data.shift} over {cfg.data.groups} groups of ranks"
                         if cfg.data.shift != "none" else ""))
     elif not ds.sharded:
-        lines.append(f"partition: {cfg.data.partition} (pass --world-size N to check it against N ranks)")
+        lines.append(f"partition: {cfg.data.partition} (set world_size, or pass --processes P, to check it against "
+                     "the replicas)")
     torch.manual_seed(models.init_seed(cfg.seed, 0, cfg.model.init))
     model = models.build(cfg.model, ds.input_shape, ds.n_classes)
     sample = torch.as_tensor(np.ascontiguousarray(ds.x_test[:SAMPLE]))
@@ -90,7 +91,8 @@ def _pbt_line(cfg, world_size: Optional[int]) -> str:
     spans = ", ".join(f"{name} {first[:, k].min():.3g} to {first[:, k].max():.3g} "
                       f"({'log-uniform' if space.log[k] else 'uniform'} in [{space.low[k]:g}, {space.high[k]:g}])"
                       for k, name in enumerate(space.names))
-    return (f"pbt: the first values of {n} replicas" + ("" if world_size else " (pass --world-size N for yours)")
+    yours = "" if world_size else " (set world_size or pass --processes P for yours)"
+    return (f"pbt: the first values of {n} replicas{yours}"
             + f": {spans}; adoption at most every {pc.ready} units, perturbed by {pc.factors}")
 
 
@@ -102,7 +104,7 @@ def _privacy_line(cfg, model, ds, sizes: Optional[List[int]]) -> str:
     x = torch.as_tensor(np.ascontiguousarray(ds.x_train[:2]))
     check_model(model, cfg.model.name, x, torch.as_tensor(ds.y_train[:2], dtype=torch.int64), cfg.privacy.per_example)
     if not sizes:
-        return "privacy: DP-SGD checked on the model (pass --world-size N for the noise each shard gets)"
+        return "privacy: DP-SGD checked on the model (pass --processes P for the noise each shard gets)"
     pc = cfg.privacy
     parts = []
     for n in sorted({min(sizes), max(sizes)}):

@@ -11,7 +11,9 @@ that compare across corpora. Three sources:
   ``data.root``, read by ``np.memmap``: a rank reads the windows of its own shard only.
 
 A file's split is a hash of its relative path (``is_held_out``), so it does not move
-when files are added. Its *domain* is its first directory (``domain_of``): packages of
+when files are added; a small corpus, whose few hashes may fall far from the requested
+share, holds out the files with the next-lowest hashes too (``held_out_files``). Its
+*domain* is its first directory (``domain_of``): packages of
 the standard library, directories of a text tree. An example is a window of
 ``context`` tokens and the same window shifted by one (the next tokens). Windows never
 cross a domain boundary, so every training window has one domain; the partitions
@@ -21,6 +23,7 @@ balanced by bytes) are ``partition``'s.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 import sysconfig
@@ -59,11 +62,38 @@ def list_files(root: str, suffix: str = "") -> List[str]:
     return sorted(out)
 
 
+def path_hash(relpath: str) -> float:
+    """A 64-bit hash of a file's path, in [0, 1): where it falls decides the file's split."""
+    return int.from_bytes(hashlib.blake2b(relpath.encode("utf-8"), digest_size=8).digest(), "little") / 2.0**64
+
+
 def is_held_out(relpath: str, fraction: float) -> bool:
-    """Whether a file belongs to the held-out split: a 64-bit hash of its path below ``fraction``. A pure function
-    of the path, so adding or removing other files never moves it."""
-    h = int.from_bytes(hashlib.blake2b(relpath.encode("utf-8"), digest_size=8).digest(), "little")
-    return h / 2.0**64 < fraction
+    """Whether a file belongs to the held-out split by its hash alone: its path's hash below ``fraction``. A pure
+    function of the path, so adding or removing other files never moves it."""
+    return path_hash(relpath) < fraction
+
+
+TOP_UP_BELOW = 0.5  # held-out files holding less than this part of data.test_fraction's bytes are topped up
+
+
+def held_out_files(files: Sequence[str], sizes: Sequence[int], fraction: float) -> List[bool]:
+    """Which files are held out: those ``is_held_out`` names; where they hold less than half the requested share
+    of the bytes (a small corpus: of 17 files at 0.1, none may fall under the hash), the files with the
+    next-lowest hashes too, until the held-out files hold at least ``fraction`` of the bytes. The file with the
+    highest hash always stays for training. In a large corpus the hash rule alone decides, so adding files moves
+    none; in a small one a new file with a low hash may take the place of one held out before."""
+    order = sorted(range(len(files)), key=lambda k: (path_hash(files[k]), files[k]))
+    held = [False] * len(files)
+    total, share = sum(sizes), 0
+    by_hash = sum(1 for k in order if is_held_out(files[k], fraction))
+    for k in order[:by_hash]:
+        held[k], share = True, share + sizes[k]
+    if share < TOP_UP_BELOW * fraction * total:
+        for k in order[by_hash: len(files) - 1]:
+            if share >= fraction * total:
+                break
+            held[k], share = True, share + sizes[k]
+    return held
 
 
 def domain_of(relpath: str) -> str:
@@ -93,16 +123,20 @@ def read_bytes(root: str, files: Sequence[str], context: int, test_fraction: flo
                test_windows: Optional[int], name: str, source: str):
     """A byte corpus as a ``data.Dataset``: the training windows of every domain (each domain's files concatenated
     in path order, cut to its share of ``max_bytes``), and at most ``test_windows`` windows of the held-out files."""
-    by_domain: dict = {}
-    held: List[bytes] = []
+    blobs = []
     for rel in files:
         try:
             with open(os.path.join(root, rel), "rb") as fh:
-                blob = fh.read()
+                blobs.append(fh.read())
         except OSError as exc:
             raise DataError(f"data.dataset={name!r}: cannot read {os.path.join(root, rel)!r} ({exc.strerror})") \
                 from None
-        if is_held_out(rel, test_fraction):
+    sizes = [len(b) for b in blobs]
+    held_out = held_out_files(files, sizes, test_fraction)
+    by_domain: dict = {}
+    held: List[bytes] = []
+    for rel, blob, out in zip(files, blobs, held_out):
+        if out:
             held.append(blob)
         else:
             by_domain.setdefault(domain_of(rel), []).append(blob)
@@ -119,16 +153,39 @@ def read_bytes(root: str, files: Sequence[str], context: int, test_fraction: flo
         ids.append(np.full(len(x), k, dtype=np.int64))
     test_stream = np.frombuffer(b"".join(held), dtype=np.uint8)
     x_test, y_test = windows(test_stream, context)
-    if not names or len(x_test) == 0:
-        what = "training" if not names else "held-out"
-        raise DataError(f"data.dataset={name!r}: {source} gives no {what} window of data.lm.context={context} bytes "
-                        f"({len(files)} files, {total} training bytes, {len(test_stream)} held-out bytes at "
+    if not names:
+        raise DataError(f"data.dataset={name!r}: {source} gives no training window of data.lm.context={context} "
+                        f"bytes ({len(files)} files, {total} training bytes, {len(test_stream)} held-out bytes at "
                         f"data.test_fraction={test_fraction}); add text or shorten the context")
+    if len(x_test) == 0:
+        raise DataError(_no_held_out_window(name, source, files=files, sizes=sizes, held_out=held_out,
+                                            context=context, fraction=test_fraction))
     keep = spaced(len(x_test), test_windows)
+    split = (f"{sum(held_out)} of {len(files)} files held out, {len(test_stream) / max(sum(sizes), 1):.1%} of the "
+             f"bytes at data.test_fraction={test_fraction}")
     meta = TextMeta(names, np.concatenate(ids), np.array([len(x) * context for x in xs], dtype=np.int64), 1.0,
-                    source)
+                    f"{source} ({split})")
     return Dataset(np.concatenate(xs), np.concatenate(ys), np.ascontiguousarray(x_test[keep]),
                    np.ascontiguousarray(y_test[keep]), name, classes=256, text=meta)
+
+
+def _no_held_out_window(name: str, source: str, *, files: Sequence[str], sizes: Sequence[int],
+                        held_out: List[bool], context: int, fraction: float) -> str:
+    """What to do when the held-out files give no window: the data.test_fraction that would, or more files."""
+    total, share = sum(sizes), sum(s for s, h in zip(sizes, held_out) if h)
+    what = (f"data.dataset={name!r}: no held-out window of data.lm.context={context} bytes at data.test_fraction="
+            f"{fraction} in {source} ({sum(held_out)} of {len(files)} files held out, {share} of {total} bytes)")
+    got = 0
+    for k in sorted(range(len(files)), key=lambda k: (path_hash(files[k]), files[k]))[: min(len(files) - 1, 64)]:
+        got += sizes[k]
+        larger = math.ceil(1000 * got / total) / 1000  # a fraction that holds out these files, checked
+        if larger < 1 and got > context:
+            bytes_out = sum(s for s, h in zip(sizes, held_out_files(files, sizes, larger)) if h)
+            if bytes_out > context:
+                return (f"{what}: raise data.test_fraction to {larger:g} ({bytes_out} bytes held out), shorten "
+                        "data.lm.context, or add text")
+    return (f"{what}: the split holds out whole files and keeps one for training, and the files give no window "
+            f"of {context + 1} bytes that way: split the text into more files, or shorten data.lm.context")
 
 
 def load_pystdlib(context: int, test_fraction: float, max_bytes: Optional[int], test_windows: Optional[int]):

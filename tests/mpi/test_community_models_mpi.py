@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from communities.results import open_run, read_jsonl
+from communities.results import read_jsonl, read_run
 from tests.conftest import TINY
 from tests.helpers.mpi import ROOT, Job, TinyRuns, run_batch
 
@@ -53,7 +53,7 @@ def flat_of(state: dict, run_dir: Path) -> torch.Tensor:
     from communities import config
     from communities.workload import data, models
 
-    cfg = config.from_dict(open_run(run_dir).config)
+    cfg = config.from_dict(read_run(run_dir).config)
     ds = data.load(cfg.data, cfg.seed)
     model = models.build(cfg.model, ds.input_shape, ds.n_classes)
     flat, _ = models.flatten_(model)
@@ -144,7 +144,7 @@ def test_summary_reports_the_decision_and_the_local_test_accuracy(communities_ru
     assert {"models/community_0.pt", "models/community_1.pt"} <= set(meta["files"])  # digests for inspect
     metrics = read_jsonl(communities_run / "metrics.jsonl")
     assert all("local_acc" in m for m in metrics) and any(m["local_acc"] is not None for m in metrics)
-    rounds = open_run(communities_run).rounds()
+    rounds = read_run(communities_run).rounds()
     assert rounds[-1].info["consensus_mode"]["frozen_labels"] == [0, 0, 1, 1]
     assert rounds[-1].info["law"] == "frozen" and rounds[-1].info["p_cross"] == 0.0
     merges = read_jsonl(communities_run / "merges.jsonl")
@@ -223,7 +223,7 @@ def test_auto_freezes_on_label_permuted_groups(runs):
     assert verdict["decision"] == "freeze" and verdict["harm"] > 0.5 and verdict["cross_merges"] >= 4
     assert s["community_models"]["labels"] == [0, 0, 1, 1]  # the planted groups
     assert s["local_test"]["mean_acc"] > s["local_test"]["mean_consensus_acc"]
-    rounds = open_run(run).rounds()
+    rounds = read_run(run).rounds()
     weighed = [r.info["consensus_mode"]["verdict"] for r in rounds if r.info["consensus_mode"]["verdict"]]
     assert weighed and weighed[-1] == verdict  # the evidence per round in rounds/, the last one in summary.json
 
@@ -260,7 +260,7 @@ def test_ifca_trains_k_shared_models(runs):
     averages = [m for m in read_jsonl(run / "merges.jsonl") if m["event"] == "average"]
     assert sorted({m["t"] for m in averages}) == list(range(2, 31, 2)) and all(m["j"] == -1 for m in averages)
     # ranks that picked the same model hold the same weights: their signatures coincide
-    last = open_run(run).rounds()[-1]
+    last = read_run(run).rounds()[-1]
     for m in record["models"]:
         rows = last.signatures[m["members"]]
         assert all(np.array_equal(rows[0], r) for r in rows)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from communities.results import open_run
+from communities.results import read_run
 from tests.helpers.mpi import Job, initial_mean_and_final, run_batch, run_engine
 
 pytestmark = pytest.mark.timeout(1800)
@@ -55,7 +55,7 @@ def test_a_nan_rank_never_poisons_the_consensus(digits):
     w = torch.load(root / "nan" / "faults" / "consensus.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in w.values())
     assert s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.01
-    events = [m for m in open_run(root / "nan" / "faults").merges() if m["event"] != "merge"]
+    events = [m for m in read_run(root / "nan" / "faults").merges() if m["event"] != "merge"]
     assert any(m["event"] == "reset" and m["i"] == 3 for m in events)
     assert any(m["event"] == "skip_diverged" and m["j"] == 3 for m in events)
     print(f"clean {clean['consensus_test_acc']:.4f}  nan-rank {s['consensus_test_acc']:.4f}")
@@ -67,7 +67,7 @@ def test_a_nan_rank_is_still_reset_when_outliers_are_excluded(digits):
     cfg, root, clean = digits
     s = summary(root / "nan_robust")
     assert s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.01
-    run = open_run(root / "nan_robust" / "faults")
+    run = read_run(root / "nan_robust" / "faults")
     assert any(m["event"] == "reset" and m["i"] == 3 for m in run.merges())
     assert all(3 not in (r.info["outliers"] or []) for r in run.rounds())
     assert np.isfinite(s["rank_test_acc"][3]) and s["rank_test_acc"][3] > 0.5  # it trains again after the reset
@@ -77,7 +77,7 @@ def test_quarantine_leaves_the_diverged_rank_out(digits):
     cfg, root, clean = digits
     s = summary(root / "q")
     assert np.isfinite(s["consensus_test_acc"]) and s["consensus_test_acc"] >= clean["consensus_test_acc"] - 0.02
-    assert any(m["event"] == "quarantined" and m["i"] == 5 for m in open_run(root / "q" / "faults").merges())
+    assert any(m["event"] == "quarantined" and m["i"] == 5 for m in read_run(root / "q" / "faults").merges())
 
 
 @pytest.mark.parametrize("kind", ["scale", "random"])
@@ -92,7 +92,7 @@ def test_a_hostile_rank_is_isolated_by_the_robust_option(digits, kind):
         # without it the damage shows (clustering alone already keeps the singleton hostile rank a rare partner;
         # random weights of the same norm are trained away and cost nothing measurable here)
         assert off["consensus_test_acc"] < min(clean["consensus_test_acc"], on["consensus_test_acc"]) - 0.03
-    rounds = open_run(root / f"on_{kind}" / "faults").rounds()
+    rounds = read_run(root / f"on_{kind}" / "faults").rounds()
     # A scaled sender is far from the median at once; random weights of the same norm start at ~5x the median
     # distance, on the default outlier_factor, and are left out from the second round on (measured: 5.0, 7.9).
     judged = rounds if kind == "scale" else rounds[1:]
@@ -140,7 +140,7 @@ def test_stress_16_ranks_slowdowns_conserve_the_mean(tmp_path, tiny_config):
     run_engine(n, tiny_config, tmp_path, "train.lr=0", "train.momentum=0", "model.init=per_rank",
                "strategy=gossip", "train.budget=70", "merge.lam=1", "faults.slow_max=0.02",
                "train.steps_per_unit=1", "signature.every=10", timeout=600)
-    run = open_run(tmp_path / "tiny")
+    run = read_run(tmp_path / "tiny")
     assert run.summary["merges"] >= 500
     mean0, final, _ = initial_mean_and_final(tmp_path / "tiny.yaml", n, tmp_path / "tiny")
     assert torch.allclose(final, mean0, atol=1e-5)

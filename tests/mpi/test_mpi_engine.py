@@ -12,7 +12,7 @@ import pytest
 import torch
 from sklearn.metrics import adjusted_rand_score
 
-from communities.results import open_run
+from communities.results import read_run
 from tests.helpers.mpi import initial_mean_and_final, run_engine, tiny_batch
 
 pytestmark = pytest.mark.timeout(900)
@@ -74,7 +74,7 @@ def consensus_weights(run_dir):
 
 @pytest.mark.parametrize("n", [4, 3])
 def test_run_writes_the_results_layout(four, three, n):
-    run = open_run({4: four, 3: three}[n]["default"])
+    run = read_run({4: four, 3: three}[n]["default"])
     assert run.complete and run.world_size == n
     for f in ("config.yaml", "meta.json", "partition.json", "metrics.jsonl", "merges.jsonl", "consensus.jsonl",
               "consensus.pt", "summary.json"):
@@ -96,7 +96,8 @@ def test_run_writes_the_results_layout(four, three, n):
     walls = [m["wall"] for m in metrics if m["rank"] == 0]
     assert walls == sorted(walls) and walls[0] > 0  # seconds since the run started, per unit
     assert s["bytes_sent_mean"] > 0
-    assert set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other"}
+    assert set(s["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other", "turn"}
+    assert (s["time_split"]["turn"] > 0) == (n == 4)  # 4 replicas on 2 processes wait for their turns
     assert (s.get("placement") or {}).get("processes", n) == {4: 2, 3: 3}[n]  # 4 replicas on 2 processes
 
 
@@ -122,7 +123,7 @@ def test_planted_groups_are_recovered_by_the_first_round(four):
 
 @pytest.mark.parametrize("strategy", OTHER_STRATEGIES)
 def test_other_strategies_share_the_layout(four, strategy):
-    run = open_run(four[strategy])
+    run = read_run(four[strategy])
     assert run.summary["strategy"] == strategy and len(run.round_paths) == 4
     if strategy == "isolated":
         assert run.summary["merges"] == 0 and not run.merges()
@@ -165,7 +166,7 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path, tiny_config):
 def test_update_tol_gates_the_consensus_stop(four):
     """Dispersion alone stops the tiny run early; an update_tol no merge can meet keeps it going to the budget,
     and every round logs the relative update norm it was judged on, the same on every rank (rank 0 writes it)."""
-    a, b = open_run(four["update_dispersion"]), open_run(four["update_tol"])
+    a, b = read_run(four["update_dispersion"]), read_run(four["update_tol"])
     assert a.summary["consensus_reached_t"] is not None and a.summary["units"] < 60
     assert b.summary["consensus_reached_t"] is None and b.summary["units"] == 60
     rel = [r.info["relative_update"] for r in b.rounds()]
@@ -174,7 +175,7 @@ def test_update_tol_gates_the_consensus_stop(four):
 
 @pytest.mark.parametrize("strategy", GLOBAL)
 def test_global_strategies(three, strategy):
-    run = open_run(three[strategy])
+    run = read_run(three[strategy])
     s = run.summary
     assert s["strategy"] == strategy and s["merges"] == 0 and s["consensus_test_acc"] > 0.5
     averages = [m for m in run.merges() if m["event"] == "average"]

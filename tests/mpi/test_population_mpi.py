@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from communities.engine.state import checkpoint
+from communities.results import TIME_CATEGORIES
 from tests.helpers.mpi import Job, TinyRuns, run_batch, run_engine, tiny_batch
 
 pytestmark = pytest.mark.timeout(900)
@@ -96,10 +97,26 @@ def test_a_population_summary_splits_the_bytes_by_kind(reference):
     assert len(placement["train_share_per_process"]) == 2
 
 
+def test_a_population_summary_splits_the_wall_time_per_process_and_a_replicas_turn_is_not_idle(reference):
+    """Each process's wall time is its replicas training and evaluating, its waits on the other process, and the
+    rest; a replica's own split counts the others of its process running as ``turn``, not as idle."""
+    s = json.loads((reference["reference"] / "summary.json").read_text())
+    p = s["placement"]
+    for k in range(2):
+        parts = [p[f"{c}_per_process"][k] for c in ("train", "eval", "waiting", "other")]
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(p["wall_per_process"][k], rel=0.02)
+        assert p["train_share_per_process"][k] == pytest.approx(p["train_per_process"][k] / p["wall_per_process"][k])
+    per = s["time_split_per_rank"]
+    for r in range(N):  # the categories, turn included, add up to each replica's wall time
+        assert sum(per[c][r] for c in TIME_CATEGORIES) == pytest.approx(per["wall"][r], rel=0.02, abs=0.05)
+    assert s["time_split"]["turn"] > s["time_split"]["idle"]  # N / 2 replicas a process: mostly the others' turns
+
+
 def test_async_with_fewer_processes_than_replicas_is_refused_naming_the_key(resumed):
     res = resumed[4][1]["async"]
     assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-3000:])
-    assert "protocol=async" in res.stderr and f"world_size={N} replicas on 4 MPI processes" in res.stderr
+    assert "is refused with protocol='async'" in res.stderr
+    assert f"world_size={N} replicas on 4 MPI processes" in res.stderr
     assert "Traceback" not in res.stderr
     assert not (resumed[4][0].parent.parent / "async" / "tiny" / "checkpoints").exists()  # refused before training
 

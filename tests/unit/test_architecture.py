@@ -18,8 +18,8 @@ ALLOWED = {
     "workload": {"core", "errors"},
     "engine": {"core", "runtime", "workload", "errors", "config", "results", "manifest", "runlock", "__init__"},
     "report": {"results", "manifest", "runlock", "errors", "core.clustering", "model_files"},
-    "tools": {"core", "runtime", "workload", "engine", "report", "errors", "config", "results", "manifest", "runlock",
-              "cli", "__init__"},
+    "tools": {"core", "runtime", "workload", "engine", "report", "errors", "config", "refusals", "results", "manifest",
+              "runlock", "cli", "parsers", "__init__"},
 }
 
 

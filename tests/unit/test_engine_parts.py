@@ -21,7 +21,7 @@ from communities.engine.replica.replica import Replica
 from communities.engine.rounds.signature_rounds import RoundResult, SignatureRounds
 from communities.engine.state.checkpoint import Checkpointer
 from communities.engine.timer import Timer
-from communities.results import Event, MergeRow, MetricRow, Summary, open_run
+from communities.results import Event, MergeRow, MetricRow, Summary, read_run
 
 TINY = {
     "name": "tiny", "seed": 3, "strategy": "isolated",
@@ -285,7 +285,7 @@ def test_a_whole_run_in_process_writes_the_results_layout(world, tmp_path):
     engine = Engine(cfg, world, tmp_path / "tiny", progress=False)
     summary = engine.run()
     assert isinstance(summary, Summary) and summary.units == 12 and summary.rounds == 4
-    run = open_run(tmp_path / "tiny")
+    run = read_run(tmp_path / "tiny")
     assert run.complete and run.record == summary
     assert len(run.metrics()) == 12 and len(run.round_paths) == 4
     assert set(summary.time_split) == set(Timer.CATEGORIES)

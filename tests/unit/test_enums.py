@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_resume_from_the_command_line_and_slurm():
 
 
 def test_time_categories_keep_their_plain_names():
-    assert TIME_CATEGORIES == ("train", "exchange", "signature", "idle", "eval", "other")
+    assert TIME_CATEGORIES == ("train", "exchange", "signature", "idle", "eval", "other", "turn")
     assert all(type(c) is str for c in TIME_CATEGORIES)
     assert json.dumps({TimeCategory.IDLE: 1.0, "v": TimeCategory.EVAL}) == '{"idle": 1.0, "v": "eval"}'
     timer = Timer()
@@ -28,6 +29,29 @@ def test_time_categories_keep_their_plain_names():
         with timer("idle"):  # the plain name is the same category
             pass
     assert list(timer.split()) == list(TIME_CATEGORIES) and all(type(k) is str for k in timer.total)
+
+
+def test_a_replicas_turn_is_a_category_of_its_own_and_not_idle():
+    """While the other replicas of its process run, a replica waits for its turn: those seconds (the world's
+    ``turn_seconds``) are ``turn``, left out of the section open meanwhile and of a collective's duration."""
+    turns = [0.0]
+    timer = Timer(turns=lambda: turns[0])
+    timer.start()
+    with timer(TimeCategory.OTHER):
+        with timer.collective("Allreduce"):
+            time.sleep(0.25)
+            turns[0] += 0.2  # of the 0.25 s waited in the call, the other replicas ran 0.2 s
+        with timer(TimeCategory.TRAIN):
+            time.sleep(0.05)
+    split = timer.split()
+    assert split["turn"] == pytest.approx(0.2, abs=1e-9)
+    assert 0.04 <= split["other"] < 0.2 and split["train"] >= 0.05 and split["idle"] == 0.0
+    assert timer.calls["Allreduce"][0] < 0.2  # what settle compares across ranks: the call less the turn
+    assert sum(split.values()) == pytest.approx(timer.elapsed(), abs=2e-3)
+    state = timer.state_dict()
+    again = Timer()
+    again.load_state_dict(state)
+    assert again.split()["turn"] == pytest.approx(0.2, abs=1e-9)  # a resumed run keeps its turns
 
 
 def test_an_unknown_timer_category_is_refused():

@@ -17,6 +17,7 @@ from communities import config
 from communities.core.groups import GroupLayout, tree_mean_rows
 from communities.core.placement import tree_sum
 from communities.errors import ConfigError, Disagreement
+from communities.refusals import check_placement, group_placement_problem
 from communities.runtime import population
 from communities.runtime.comm import World
 from communities.runtime.groups import build_groups
@@ -52,9 +53,9 @@ def test_the_layout_names_groups_members_and_leads():
 def test_the_layout_refuses_what_cannot_be_grouped():
     with pytest.raises(ValueError, match="must divide world_size=6"):
         GroupLayout(6, 4)
-    assert GroupLayout(64, 8).placement_problem(2) is None  # groups inside a process's 32
-    assert GroupLayout(64, 8).placement_problem(16) is None  # each group spans two processes of 4
-    problem = GroupLayout(24, 4).placement_problem(4)  # blocks of 6: neither divides the other
+    assert group_placement_problem(8, 64, 2) is None  # groups inside a process's 32
+    assert group_placement_problem(8, 64, 16) is None  # each group spans two processes of 4
+    problem = group_placement_problem(4, 24, 4)  # blocks of 6: neither divides the other
     assert problem is not None and "group_size=4" in problem and "6 replicas each" in problem
     assert not GroupLayout(64, 8).spans_processes(2) and GroupLayout(64, 8).spans_processes(16)
 
@@ -78,7 +79,7 @@ def _cfg(**dotted) -> config.Config:
 
 
 def test_the_config_refuses_groups_where_they_cannot_work_naming_the_key():
-    with pytest.raises(ConfigError, match=r"train.group_size=3 must divide world_size=8"):
+    with pytest.raises(ConfigError, match=r"train.group_size=3 is refused with world_size=8 \(a group size must"):
         _cfg(world_size=8, train__group_size=3)
     for key, value, named in (("strategy", "allreduce", "strategy='allreduce'"),
                               ("protocol", "async", "protocol='async'"),
@@ -94,9 +95,9 @@ def test_the_config_refuses_groups_where_they_cannot_work_naming_the_key():
 
 
 def test_a_population_refuses_groups_that_straddle_its_blocks():
-    why = population.refusal(_cfg(world_size=24, train__group_size=4), 4)
-    assert why is not None and "train.group_size=4" in why
-    assert population.refusal(_cfg(world_size=24, train__group_size=3), 4) is None
+    with pytest.raises(ConfigError, match=r"train.group_size=4 with world_size=24 on 4 processes"):
+        check_placement(_cfg(world_size=24, train__group_size=4), 4)
+    assert check_placement(_cfg(world_size=24, train__group_size=3), 4) == 24
 
 
 # ---------------------------------------------------------------- inside a group: the hub's tree

@@ -180,8 +180,10 @@ def test_the_oracle_is_refused_without_planted_groups():
      "ifca.warmup_units=100 = 100 units of ifca.init='warmup' leave no unit of train.budget=100"),
     (["strategy=ifca", "ifca.init=restarts", "ifca.restarts=5", "ifca.warmup_units=4", "train.budget=20"],
      "ifca.restarts=5 x ifca.warmup_units=4"),
-    (["strategy=oracle", "data.partition=iid", "data.shift=none"], "strategy='oracle' trains the planted groups"),
-    (["strategy=oracle", "data.partition=label_groups", "ifca.init=warmup"], "ifca.init='warmup' has nothing"),
+    (["strategy=oracle", "data.partition=iid", "data.shift=none"],
+     "strategy='oracle' is refused with data.partition='iid'"),
+    (["strategy=oracle", "data.partition=label_groups", "ifca.init=warmup"],
+     "strategy='oracle' is refused with ifca.init='warmup'"),
     (["strategy=oracle", "data.shift=label_permutation", "comm.fault_tolerance=shrink"], "strategy='oracle'"),
 ])
 def test_the_ifca_keys_are_checked_with_errors_naming_them(overrides, message):

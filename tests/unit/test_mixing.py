@@ -122,7 +122,7 @@ def test_gossip_hypercube_pairs_over_the_world():
     ({"strategy": "diloco", "merge": {"average_every": 4}}, "merge.period"),
     ({"protocol": "async", "merge": {"average_every": 4}}, "average_every=4"),
     ({"consensus": {"mode": "auto"}, "merge": {"average_every": 4}}, "consensus.mode='auto'"),
-    ({"train": {"after_budget": "train"}}, "train.after_budget='train' needs protocol='async'"),
+    ({"train": {"after_budget": "train"}}, "train.after_budget='train' is refused with protocol='virtual_clock'"),
 ])
 def test_what_the_mixing_options_cannot_run_with_is_refused(raw, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):

@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
 
 import communities as cx
 from communities import manifest
+from communities.report import api
 from communities.report.api import CONSENSUS_COLUMNS, MERGE_COLUMNS, METRIC_COLUMNS, ROUND_COLUMNS, TIMELINE_COLUMNS
 from communities.results import ResultsError
 from communities.tools.synthetic import make_run
@@ -68,7 +70,9 @@ def test_frames_match_the_files(run_dir):
     assert bool(row["within"]) == (row["community_i"] == row["community_j"])
 
     c = run.consensus
-    assert list(c.columns) == list(CONSENSUS_COLUMNS) and len(c) == len(_lines(run_dir / "consensus.jsonl"))
+    lines = _lines(run_dir / "consensus.jsonl")
+    assert list(c.columns) == list(CONSENSUS_COLUMNS) and c["t"].tolist() == [r["t"] for r in lines]
+    assert c["final"].tolist() == [False] * (len(lines) - 1) + [True]  # the file ends at the headline here
 
     saved = sorted((run_dir / "rounds").glob("round_*"))
     assert list(rounds.columns) == list(ROUND_COLUMNS) and len(rounds) == len(saved) == 6
@@ -157,6 +161,40 @@ def test_open_runs_stacks_frames_with_a_run_column(tmp_path, run_dir):
         cx.open_runs([run_dir, other], labels=["a", "a"])
 
 
+def test_the_consensus_frame_ends_with_the_final_evaluation(tmp_path):
+    """The headline (summary.json's consensus_test_acc, after the last unit) is the last row, at t = units, even
+    where the evaluations every output.consensus_every units stop before it (the quickstart: t=90 of 95)."""
+    run_dir = make_run(tmp_path / "r", n_ranks=4, n_rounds=4, groups=2)
+    lines = _lines(run_dir / "consensus.jsonl")
+    units = lines[-1]["t"] + 5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.update(units=units, consensus_test_acc=0.9756, consensus_test_loss=0.1)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    c = cx.open_run(run_dir).consensus
+    assert len(c) == len(lines) + 1 and c["final"].tolist() == [False] * len(lines) + [True]
+    assert c.iloc[-1][["t", "test_acc", "test_loss"]].tolist() == [units, 0.9756, 0.1]
+    (run_dir / "summary.json").unlink()  # not finished: the file's rows alone
+    assert len(cx.open_run(run_dir).consensus) == len(lines) and not cx.open_run(run_dir).consensus["final"].any()
+
+
+def test_open_runs_table_has_one_row_per_run_with_the_keys_that_differ(tmp_path):
+    dirs = [make_run(tmp_path / f"lr{k}", n_ranks=4, n_rounds=3 + k, groups=2, seed=k) for k in range(3)]
+    partial = make_run(tmp_path / "crashed", n_ranks=4, n_rounds=3, groups=2, seed=9, partial=True)
+    table = cx.open_runs(dirs + [partial]).table()
+    assert table["run"].tolist() == ["lr0 (community)", "lr1 (community)", "lr2 (community)", "crashed (community)"]
+    keys = [c for c in table.columns if c not in ("run", "status") and c not in api.SUMMARY_COLUMNS]
+    assert keys == ["seed", "train.budget"]  # what the runs' configs differ in (name aside)
+    assert table["seed"].tolist() == [0, 1, 2, 9] and table["train.budget"].tolist() == [15, 20, 25, 15]
+    assert table["status"].tolist()[:3] == ["complete"] * 3 and table["status"].iloc[3] != "complete"
+    for d, row in zip(dirs, table.itertuples()):
+        s = json.loads((d / "summary.json").read_text())
+        assert row.consensus_test_acc == s["consensus_test_acc"] and row.units == s["units"]
+    assert table["consensus_test_acc"].isna().tolist() == [False, False, False, True]  # not finished: missing
+    assert str(table["units"].dtype) == "Int64" and str(table["wall_time"].dtype) == "float64"
+    picked = cx.open_runs(dirs).table(keys=["train.lr", "strategy"])
+    assert list(picked.columns[:4]) == ["run", "status", "train.lr", "strategy"] and len(picked) == 3
+
+
 def test_models_are_loaded_with_their_digests_checked(tmp_path):
     torch = pytest.importorskip("torch")
     import io
@@ -193,19 +231,45 @@ def test_models_are_loaded_with_their_digests_checked(tmp_path):
         run.models()
 
 
-def test_the_notebook_runs_to_the_end(tmp_path, monkeypatch):
+def _execute(cwd: Path, monkeypatch, run_dir: Optional[Path] = None):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     pytest.importorskip("matplotlib")
-    run_dir = make_run(tmp_path / "quickstart", n_ranks=8, n_rounds=6, groups=4, seed=0)
-    monkeypatch.setenv("COMMUNITIES_RUN", str(run_dir))
+    if run_dir is None:
+        monkeypatch.delenv("COMMUNITIES_RUN", raising=False)
+    else:
+        monkeypatch.setenv("COMMUNITIES_RUN", str(run_dir))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+                            resources={"metadata": {"path": str(cwd)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
-    text = " ".join(str(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "status complete, 8 ranks" in text
+    return " ".join(str(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_the_notebook_runs_to_the_end(tmp_path, monkeypatch):
+    run_dir = make_run(tmp_path / "quickstart", n_ranks=8, n_rounds=6, groups=4, seed=0)
+    assert "status complete, 8 ranks" in _execute(tmp_path, monkeypatch, run_dir)
+
+
+def test_the_notebook_finds_the_run_from_any_directory_or_makes_one(tmp_path, monkeypatch):
+    """From a directory under the one holding results/quickstart (Jupyter starts in docs/notebooks/), and from
+    one with no run anywhere above it (a synthetic run instead)."""
+    make_run(tmp_path / "repo" / "results" / "quickstart", n_ranks=8, n_rounds=6, groups=4, seed=2)
+    deep = tmp_path / "repo" / "docs" / "notebooks"
+    deep.mkdir(parents=True)
+    text = _execute(deep, monkeypatch)
+    assert "../../results/quickstart" in text and "synthetic run instead" not in text
+    (tmp_path / "elsewhere").mkdir()
+    assert "a synthetic run instead" in _execute(tmp_path / "elsewhere", monkeypatch)
+
+
+def test_the_notebook_is_saved_with_its_outputs():
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(c["outputs"] and c["execution_count"] for c in code)
+    assert not any(o["output_type"] == "error" for c in code for o in c["outputs"])
+    assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"])  # the trees, drawn

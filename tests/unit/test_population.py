@@ -7,7 +7,7 @@ that wait on each other are reported instead of hanging. (Between processes: tes
 """
 from __future__ import annotations
 
-import types
+import time
 
 import numpy as np
 import pytest
@@ -162,6 +162,29 @@ def test_shared_work_is_computed_once_per_process(world):
     assert calls == [0] and all(o is out[0] for o in out)
 
 
+def test_a_replica_counts_the_time_the_others_of_its_process_ran_as_its_turn(world):
+    """Replica 0 works 0.3 s while replica 1 waits for its turn: that is replica 1's turn, not its idle time."""
+    def replica(w):
+        w.barrier()
+        if w.rank == 0:
+            time.sleep(0.3)
+        w.barrier()
+        return w.turn_seconds()
+
+    hub = population.Hub(world, 2)
+    turns = hub.run(lambda w: replica(w))
+    assert turns[1] >= 0.3 and turns[0] < 0.1 and hub.clock.ran >= 0.3
+    assert hub.clock.waited >= 0.0 and World.turn_seconds(world) == 0.0  # one replica per process: never a turn
+
+    def stacked(w):  # a step the replicas take as one (train.vectorize): each one's share is its own, the rest
+        before = w.turn_seconds()  # the other's (its turn)
+        w.together("step", None, lambda items: [time.sleep(0.4)] * len(items))
+        return w.turn_seconds() - before
+
+    during = population.Hub(world, 2).run(stacked)
+    assert all(0.2 <= d < 0.35 for d in during), during
+
+
 def test_shared_work_is_computed_again_after_a_loss(world):
     """What the replicas share for unit t (the exchange list) depends on who is alive: a recovery starts over."""
     hub = population.Hub(world, 2)
@@ -169,29 +192,6 @@ def test_shared_work_is_computed_again_after_a_loss(world):
     assert hub.shared(("exchanges", 11), object) is first
     hub.epoch += 1  # what ``_c_recover`` does after the shrink
     assert hub.shared(("exchanges", 11), object) is not first
-
-
-def _cfg(**kw):
-    base = dict(world_size=8, protocol="virtual_clock", device="cpu",
-                comm=types.SimpleNamespace(fault_tolerance="abort"), train=types.SimpleNamespace(group_size=1),
-                faults=types.SimpleNamespace(kill=[], speed=[], stall_rank=None))
-    base.update(kw)
-    return types.SimpleNamespace(**base)
-
-
-def test_what_a_population_refuses_is_named_before_training():
-    assert population.refusal(_cfg(), 8) is None and population.refusal(_cfg(), 2) is None
-    assert population.refusal(_cfg(world_size=None), 2) is None
-    assert "world_size=8 replicas cannot be split evenly over 3 MPI processes" in population.refusal(_cfg(), 3)
-    assert "protocol=async" in population.refusal(_cfg(protocol="async"), 2)
-    # a lost process is the loss of its block of replicas (comm.fault_tolerance shrink; tests/mpi under ULFM)
-    assert population.refusal(_cfg(comm=types.SimpleNamespace(fault_tolerance="shrink")), 4) is None
-    kill = types.SimpleNamespace(kill={3: 5}, speed={}, stall_rank=None)
-    refused = population.refusal(_cfg(faults=kill), 2)
-    assert "faults.kill without comm.fault_tolerance=shrink" in refused and "start 8 processes" in refused
-    assert population.refusal(_cfg(faults=kill, comm=types.SimpleNamespace(fault_tolerance="shrink")), 2) is None
-    assert "faults.speed" in population.refusal(_cfg(faults=types.SimpleNamespace(kill={}, speed={1: 2.0},
-                                                                                  stall_rank=None)), 2)
 
 
 def test_a_replica_world_refuses_the_async_calls(world):

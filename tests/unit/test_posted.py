@@ -304,7 +304,7 @@ def test_lr0_posted_gossip_on_a_ring_of_pairs_converges_to_the_mean():
 
 
 @pytest.mark.parametrize("raw,key", [
-    ({"comm": {"exchange": "posted"}}, "comm.exchange='posted' needs protocol='async'"),
+    ({"comm": {"exchange": "posted"}}, "comm.exchange='posted' is refused with protocol='virtual_clock'"),
     ({"protocol": "async", "comm": {"exchange": "posted"}, "merge": {"optimizer_state": "average"}},
      "optimizer_state='average'"),
     ({"protocol": "async", "comm": {"exchange": "posted"}, "merge": {"partner_policy": "least_recent"}},

@@ -38,7 +38,7 @@ def test_rounds_are_listed_in_numeric_order_and_partial_ones_skipped(tmp_path):
     for i in (2, 10000, 9999):
         w.write_round(i, np.zeros((3, 4), np.float32), np.zeros((2, 4)), np.zeros(3, np.int64), {"round": i, "t": i})
     (tmp_path / "run" / "rounds" / ".round_10001.tmp").mkdir()
-    run = results.open_run(tmp_path / "run")
+    run = results.read_run(tmp_path / "run")
     assert [p.name for p in run.round_paths] == ["round_0002", "round_9999", "round_10000"]
     assert not run.complete and run.summary is None
 

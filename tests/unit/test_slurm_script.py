@@ -119,5 +119,5 @@ def test_a_population_may_run_on_fewer_ranks_and_the_script_says_a_requeue_onto_
     capsys.readouterr()
     code = slurm.main_slurm([str(tiny_config), "world_size=8", "protocol=async", "--ntasks-per-node", "2",
                              "--overwrite"])
-    assert code == 2 and "protocol=async" in capsys.readouterr().err
+    assert code == 2 and "is refused with protocol='async'" in capsys.readouterr().err
     assert "fewer nodes just works for a population" in " ".join(slurm.build_parser().format_help().split())

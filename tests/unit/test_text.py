@@ -4,6 +4,7 @@ model's combinations."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -204,9 +205,10 @@ def _held_out_name(want: bool, fraction: float, domain: str, start: int = 0) -> 
     raise AssertionError  # pragma: no cover
 
 
-def _tree(root, sizes, fraction: float = 0.3):
+def _tree(root, sizes, fraction: float = 0.3, held_size: int = 300):
     """Under root: per domain (a directory, or '' for the top) a training file of the given size whose bytes
-    name the domain, and one held-out file per domain; hidden files besides. Returns {domain: training bytes}."""
+    name the domain, and one held-out file per domain; hidden files besides. Returns {domain: training bytes}.
+    (The held-out files must hold half the requested share of the bytes, or the split tops them up.)"""
     out = {}
     for k, (domain, size) in enumerate(sizes.items()):
         rel = _held_out_name(False, fraction, domain) if domain else "top_train.txt"
@@ -217,7 +219,7 @@ def _tree(root, sizes, fraction: float = 0.3):
         out[domain or corpora.TOP] = blob
         held = _held_out_name(True, fraction, domain or "heldtop")
         (root / held).parent.mkdir(parents=True, exist_ok=True)
-        (root / held).write_bytes(b"H" * 300)
+        (root / held).write_bytes(b"H" * held_size)
     (root / ".secret").write_bytes(b"\xff" * 5000)
     (root / ".git").mkdir()
     (root / ".git" / "objects").write_bytes(b"\xff" * 5000)
@@ -243,13 +245,13 @@ def test_the_text_loader_reads_domains_splits_and_windows(tmp_path):
 
 
 def test_max_bytes_cuts_each_domain_to_its_share(tmp_path):
-    _tree(tmp_path, {"a": 3000, "b": 1000})
+    _tree(tmp_path, {"a": 3000, "b": 1000}, held_size=1000)
     ds = corpora.load_text(str(tmp_path), 10, 0.3, 2000, None)
     # a keeps 3000 x 2000 / 4000 = 1500 bytes, b 500: 149 and 49 windows of 10 (one byte for the last target)
     assert ds.text.domain_bytes.tolist() == [1490, 490]
     # big keeps int(20000 x 1024 / 20040) = 1021 bytes: 102 windows; tiny's share (2 bytes) is under one window, and
     # it keeps one (context + 1 bytes): no domain vanishes
-    _tree(tmp_path / "small", {"big": 20_000, "tiny": 40})
+    _tree(tmp_path / "small", {"big": 20_000, "tiny": 40}, held_size=2000)
     small = corpora.load_text(str(tmp_path / "small"), 10, 0.3, 1024, None)
     assert small.text.domains == ("big", "tiny") and small.text.domain_bytes.tolist() == [1020, 10]
 
@@ -271,6 +273,60 @@ def test_text_loader_refusals_name_the_key(tmp_path):
     assert not any(corpora.is_held_out(p, 0.3) for p in corpora.list_files(str(only_train)))
     with pytest.raises(DataError, match=r"no held-out window .*data\.test_fraction=0\.3"):
         corpora.load_text(str(only_train), 10, 0.3, None, None)
+
+
+def _named(at_least: float, count: int):
+    """``count`` file names whose path hash is at least ``at_least`` (none held out by the hash alone below it)."""
+    names = (f"doc{i:03d}.txt" for i in itertools.count())
+    return list(itertools.islice((n for n in names if corpora.path_hash(n) >= at_least), count))
+
+
+def test_a_small_corpus_holds_out_near_the_requested_share_of_bytes(tmp_path):
+    """17 plain-text files, 300 KB in all, at data.test_fraction 0.1: none falls under the hash, so the files with
+    the lowest hashes are held out until they hold 10% of the bytes."""
+    rng = np.random.default_rng(0)
+    names = _named(0.1, 17)
+    sizes = rng.integers(12_000, 24_000, size=17)
+    sizes = (sizes * 300_000 / sizes.sum()).astype(int)
+    for name, size in zip(names, sizes):
+        (tmp_path / name).write_bytes(bytes(rng.integers(97, 123, size=int(size), dtype=np.uint8)))
+    assert not any(corpora.is_held_out(n, 0.1) for n in names)  # the hash alone: nothing held out
+    ds = corpora.load_text(str(tmp_path), 64, 0.1, None, None)
+    held = corpora.held_out_files(names, sizes.tolist(), 0.1)
+    share = sizes[held].sum() / sizes.sum()
+    assert 0.1 <= share < 0.1 + sizes.max() / sizes.sum()  # reached, by at most one file more
+    by_hash = sorted(names, key=corpora.path_hash)
+    assert [n for n, h in zip(names, held) if h] == sorted(by_hash[: sum(held)])  # the lowest hashes
+    assert len(ds.x_test) == (sizes[held].sum() - 1) // 64 > 0
+    assert f"{sum(held)} of 17 files held out" in ds.text.source and "data.test_fraction=0.1" in ds.text.source
+
+
+def test_a_large_corpus_keeps_the_hash_rule_and_adding_files_moves_none():
+    names = [f"pkg{i % 7}/m{i}.py" for i in range(400)]
+    sizes = [1000 + 37 * (i % 11) for i in range(400)]
+    held = corpora.held_out_files(names, sizes, 0.1)
+    assert held == [corpora.is_held_out(n, 0.1) for n in names]  # near 10% already: nothing topped up
+    more = corpora.held_out_files(names + ["pkg9/new.py"], sizes + [5000], 0.1)
+    assert more[:-1] == held
+
+
+def test_no_held_out_window_says_what_to_do(tmp_path):
+    names = _named(0.9, 4)  # no hash under 0.9 either: the split is by the next-lowest hashes
+    first, *rest = sorted(names, key=corpora.path_hash)
+    (tmp_path / first).write_bytes(b"a" * 10)  # the lowest hash: held out, and too short for a window of 64
+    for name in rest:
+        (tmp_path / name).write_bytes(b"b" * 1000)
+    with pytest.raises(DataError) as err:
+        corpora.load_text(str(tmp_path), 64, 0.001, None, None)
+    text = str(err.value)
+    assert "no held-out window of data.lm.context=64 bytes at data.test_fraction=0.001" in text
+    fraction = float(re.search(r"raise data\.test_fraction to ([0-9.]+)", text).group(1))
+    assert len(corpora.load_text(str(tmp_path), 64, fraction, None, None).x_test) > 0  # the advice works
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "only.txt").write_bytes(b"c" * 5000)  # one file stays for training: nothing can be held out
+    with pytest.raises(DataError, match="split the text into more files"):
+        corpora.load_text(str(one), 64, 0.1, None, None)
 
 
 # --------------------------------------------------------------------------- the tokens loader

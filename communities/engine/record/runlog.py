@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
-                "bytes_in_process", "test_loss", "bytes_in_group") + TIME_CATEGORIES
+                "bytes_in_process", "test_loss", "bytes_in_group", "process_waited") + TIME_CATEGORIES
 LOG_FILES = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl", "views.jsonl")
 DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_epsilon")  # privacy.enabled
 
@@ -243,7 +243,7 @@ class RunLog:
         mine = {"test_acc": test_acc, "test_loss": test_loss, "distance": distance, "bytes_sent": w.bytes_sent,
                 "wall": self.timer.elapsed(), "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data,
                 "units": run["units"], "bytes_in_process": w.bytes_in_process, "bytes_in_group": w.bytes_in_group,
-                **self.timer.split()}
+                "process_waited": self.timer.process_waited(), **self.timer.split()}
         mine.update({f: (dp or {}).get(f, float("nan")) for f in DP_FIELDS})
         row = np.array([[mine[f] for f in FINAL_FIELDS + DP_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
@@ -374,9 +374,7 @@ def view_agreement(rows: List[dict]) -> dict:
 def print_summary(s: Summary, run_dir: Path) -> None:
     """The short end-of-run report rank 0 prints (logged at INFO: --quiet leaves it out)."""
     counts = ", ".join(f"{k}x{len(list(g))}" for k, g in groupby(s.communities_per_round))
-    ts = s.time_split
-    total = sum(ts.values()) or 1.0
-    split = " / ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)" for k, v in ts.items())
+    split = seconds_split(s.time_split)
     ari = s.first_round_ari
     on = "" if s.consensus_test_split == "shared" else f"   (on {s.consensus_test_split})"
     disp = s.final_dispersion
@@ -429,9 +427,35 @@ def print_summary(s: Summary, run_dir: Path) -> None:
             f"{name} {median:.3g}" + (" (" + ", ".join(f"c{c} {g[name]['median']:.3g}" for c, g in groups.items())
                                       + ")" if len(groups) > 1 else "")
             for name, median in s.pbt["median"].items()))
-    lines += [f"wall time                {s.wall_time:.1f}s: {split}", f"results                  {run_dir}"]
+    if s.placement and "wall_per_process" in s.placement:  # a population: the process's split first
+        lines += population_wall_lines(s.placement, s.wall_time, split)
+    else:
+        lines.append(f"wall time                {s.wall_time:.1f}s: {split}")
+    lines.append(f"results                  {run_dir}")
     for line in lines:
         log.info(line)
+
+
+def seconds_split(split: Dict[str, float]) -> str:
+    """``train 2.9s (80%) / idle ...``: seconds per category with its share, a zero turn left out."""
+    total = sum(split.values()) or 1.0
+    return " / ".join(f"{k} {v:.1f}s ({100 * v / total:.0f}%)" for k, v in split.items()
+                      if k != TimeCategory.TURN or v > 0)
+
+
+def population_wall_lines(placement: dict, wall_time: float, replica_split: str) -> List[str]:
+    """A population's wall time: each process's (its replicas training and evaluating, the process waiting on
+    the others, the rest), mean over processes, then a replica's own, whose turns are the time the other
+    replicas of its process ran."""
+    n, per = placement["processes"], placement["replicas_per_process"]
+    parts = {"train": "train_per_process", "eval": "eval_per_process",
+             "waiting for other processes": "waiting_per_process", "other": "other_per_process"}
+    mean = {label: float(np.mean(placement[key])) for label, key in parts.items()}
+    shares = placement["train_share_per_process"]
+    spread = f"; train share by process {min(shares):.0%}..{max(shares):.0%}" if n > 1 else ""
+    return [f"wall time                {wall_time:.1f}s, per process ({n} processes, {per} replicas each): "
+            + seconds_split(mean) + spread,
+            f"per replica (mean)       {replica_split} (turn: the other replicas of its process running)"]
 
 
 def _acc(x: Optional[float]) -> str:
@@ -471,13 +495,27 @@ def group_summary(size: int, g: Dict[str, np.ndarray]) -> Optional[dict]:
 
 def placement_summary(processes: int, replicas: int, g: Dict[str, np.ndarray]) -> Optional[dict]:
     """A population's figures (None with one replica per process): bytes that crossed MPI against bytes swapped
-    in memory, and each process's wall time spent training its replicas (one after another)."""
+    in memory, and each process's wall time split: its replicas training and evaluating (one after another, or
+    stacked), the process waiting on other processes (its collectives and exchanges between them), and the rest
+    (signature rounds, merges in memory, logs). A replica's own split has its turns (time_split's ``turn``)."""
     if processes >= replicas:
         return None
     per = replicas // processes
-    train = g["train"].reshape(-1, per).sum(axis=1)  # (a lost process took its whole block: the survivors')
-    wall = g["wall"].reshape(-1, per).max(axis=1)
+
+    def by_process(key: str) -> np.ndarray:  # (a lost process took its whole block: the survivors')
+        return g[key].reshape(-1, per)
+
+    wall = by_process("wall").max(axis=1)
+    train, evals = by_process("train").sum(axis=1), by_process("eval").sum(axis=1)
+    waiting = by_process("process_waited").max(axis=1)  # (the same on each replica of a process)
+    other = np.maximum(wall - train - evals - waiting, 0.0)
+
+    def listed(a: np.ndarray) -> List[float]:
+        return [float(x) for x in a]
+
     return {"processes": processes, "replicas_per_process": per,
             "bytes_network_mean": float((g["bytes_sent"] - g["bytes_in_process"]).mean()),
             "bytes_in_process_mean": float(g["bytes_in_process"].mean()),
-            "train_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(train, wall)]}
+            "train_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(train, wall)],
+            "wall_per_process": listed(wall), "train_per_process": listed(train), "eval_per_process": listed(evals),
+            "waiting_per_process": listed(waiting), "other_per_process": listed(other)}

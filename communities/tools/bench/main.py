@@ -1,5 +1,4 @@
-"""Benchmarks: ``communities bench exchange | signature | clustering | partners | overhead | inspect | vectorize
-| scale | privacy | chaos``.
+"""Benchmarks: ``communities bench NAME``, each a module of ``communities/tools/bench/``.
 
 Each prints a table of measured figures (and writes them with ``--json PATH``).
 Nothing here asserts a speed: targets are printed next to the figures so a
@@ -28,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
-from ...cli import hide_subcommands, plain_text
+from ...parsers import Parser, hide_subcommands, plain_text
 from . import chaos, clustering, exchange, inspection, overhead, partners, privacy, scale, signature, vectorize
 
 # the benchmarks in the order ``communities bench --help`` lists them; each module adds its subcommands, and each
@@ -40,12 +39,18 @@ HIDDEN = ("_signature-one", "_profile-rank")  # what ranks and child processes r
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="communities bench", description=plain_text(__doc__))
+    parser = Parser(prog="communities bench", description=plain_text(__doc__))
     sub = parser.add_subparsers(dest="what", required=True)
     for module in BENCHMARKS:
         module.add_parser(sub)
     hide_subcommands(sub, *HIDDEN)
     return parser
+
+
+def visible_benchmarks() -> List[str]:
+    """The benchmarks users run, in ``BENCHMARKS`` order (``communities --help`` lists them)."""
+    sub: Any = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    return list(sub.shown)
 
 
 def main_bench(argv: Optional[List[str]] = None) -> int:

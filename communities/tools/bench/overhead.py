@@ -20,14 +20,18 @@ PROFILED = ("signature_rounds.py:run", "find_communities")
 def profile_rank(args) -> int:
     """Run ``communities ARGV`` under cProfile, dumping ``OUT/rank<r>.prof`` per rank."""
     import cProfile
-
-    from ... import cli
+    import runpy
 
     prof = cProfile.Profile()
     prof.enable()
-    try:
-        rc = cli.main(args.argv)
+    argv, sys.argv = sys.argv, ["communities", *args.argv]
+    try:  # what ``python -m communities ARGV`` runs (the command line imports the benchmarks: no import here)
+        runpy.run_module("communities", run_name="__main__", alter_sys=True)
+        rc = 0
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
+        sys.argv = argv
         prof.disable()
         from mpi4py import MPI
 
