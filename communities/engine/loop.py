@@ -40,7 +40,7 @@ from .outcome.community_mode import CommunityMode
 from .outcome.consensus import Decision
 from .outcome.delivery import Delivery
 from .progress import Progress
-from .record import tensorboard_log
+from .record import tracking
 from .record.round_snapshots import RoundSnapshots
 from .record.runlog import RunLog, count_merges, language_model, print_summary
 from .replica.replica import Replica
@@ -65,7 +65,7 @@ class Engine:
 
         def check() -> None:
             cfg.check_world(world.size)
-            tensorboard_log.check_available(cfg)
+            tracking.check_available(cfg)
             if cfg.privacy.enabled:
                 private.require_opacus()
 
@@ -126,14 +126,15 @@ class Engine:
         self.logged_t = self.t
         if resumed is not None:
             self.survival.restore(read_info(resumed))
-        if world.leads and cfg.logging.tensorboard:
-            self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
+        if world.leads and tracking.enabled(cfg):
+            self._open_trackers(self.t)
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> Optional[Summary]:
         """Train until consensus or the budget; rank 0 returns the summary."""
         self.timer.start()
+        self.progress.begin(self.t)
         previous_handlers = stopflag.install()
         try:
             # what the parts do not claim: the loop itself, checkpoints, log writes
@@ -142,15 +143,30 @@ class Engine:
         except Preempted:
             # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
             # they are exiting, and they must still exit 75 rather than die of the signal.
+            self._close_trackers("interrupted")
             raise
         except DiskError as exc:  # raised on every rank at the same collective step
             stopflag.restore(previous_handlers)
+            self._close_trackers("failed")
             raise self.run_dir.failed(exc, self.t) from None
+        except BaseException:
+            self._close_trackers("failed")
+            raise
         else:
             stopflag.restore(previous_handlers)
             return summary
         finally:
             self.progress.close()
+
+    def _open_trackers(self, t: int) -> None:
+        """The lead: TensorBoard, W&B, MLflow as configured; where they log goes into meta.json's ``tracking``."""
+        meta = self.run_dir.meta
+        self.log.board = tracking.open_trackers(self.cfg, self.run_dir.path, t, key=str(meta.get("run_id", "")))
+        meta["tracking"] = self.log.board.identities()
+
+    def _close_trackers(self, status: str) -> None:
+        if self.log.board is not None:
+            self.log.board.close(status)
 
     def _train(self) -> Optional[Summary]:
         """The units, then the end; a lost rank (fault_tolerance shrink) sends the survivors back to a round."""
@@ -262,8 +278,8 @@ class Engine:
         self._heir = True  # its own merge count started at zero: it counts the file's instead
         if self.cfg.protocol == "async":  # (nothing is rewound after it: count now)
             self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
-        if self.cfg.logging.tensorboard and self.log.board is None:
-            self.log.board = tensorboard_log.TensorBoardLog(self.cfg, self.run_dir.path, t)
+        if tracking.enabled(self.cfg) and self.log.board is None:
+            self._open_trackers(t)
 
     def _rewind(self, t: int, lost: bool = False) -> None:
         """The lead, after a loss: the logs back to t. An heir of a lost writer counts the merges written so far
