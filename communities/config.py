@@ -375,19 +375,20 @@ class OutputConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    """Where ML users look for metrics: TensorBoard (rank 0 writes what it gathers anyway, off the training path)."""
+    """Where ML users look for metrics: TensorBoard, W&B, MLflow (rank 0 writes what it gathers anyway, off the training
+    path)."""
 
     tensorboard: bool = Field(False, description="write TensorBoard scalars (consensus and rank accuracy, loss, "
                               "dispersion, communities, p_cross, bytes, wall split) to RUN_DIR/tensorboard; needs "
                               "pip install 'communities[tensorboard]'")
-    per_rank: bool = Field(False, description="tensorboard: also every rank's own loss, accuracy and bytes")
-    dendrograms: bool = Field(True, description="tensorboard, wandb, mlflow: each round's dendrogram as an image "
-                              "(drawn at the end; needs matplotlib)")
+    per_rank: bool = Field(False, description="the trackers: also every rank's own loss, accuracy and bytes")
+    dendrograms: bool = Field(True, description="the trackers: each round's dendrogram and the community timeline as "
+                              "images (drawn at the end; needs matplotlib)")
     wandb: bool = Field(False, description="log the config, the same scalars, the dendrograms, the community timeline "
                         "and the summary to Weights & Biases (rank 0; WANDB_MODE=offline on nodes without internet); "
                         "needs pip install 'communities[wandb]'")
     mlflow: bool = Field(False, description="log the same to MLflow (rank 0; the tracking server or store of "
-                         "MLFLOW_TRACKING_URI, else ./mlruns); needs pip install 'communities[mlflow]'")
+                         "MLFLOW_TRACKING_URI, else MLflow's default); needs pip install 'communities[mlflow]'")
     project: str = Field("communities", description="wandb: the project; mlflow: the experiment name")
 
 
