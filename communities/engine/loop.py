@@ -77,6 +77,9 @@ class Engine:
         deterministic_algorithms()
         local_rank = world.local_rank if cfg.device != "cpu" else 0  # a collective: before on_every_rank
         device = on_every_rank(world, lambda: select_device(cfg.device, local_rank))
+        unused = unused_gpus(cfg.device)
+        if unused and world.leads:
+            log.warning(unused)
         self.timer = Timer()
         self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
         self.agreement = RunningDigest()
@@ -349,6 +352,16 @@ def select_device(device: str, local_rank: int) -> torch.device:
                               f"{platform.node()}")
         return torch.device("cpu")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def unused_gpus(device: str, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """A warning when SLURM gave the job GPUs (``SLURM_GPUS_ON_NODE``) that ``device: cpu`` leaves idle: a
+    hand-written batch script's (``communities slurm`` refuses the combination)."""
+    gpus = (os.environ if env is None else env).get("SLURM_GPUS_ON_NODE", "").strip()
+    if device != "cpu" or not gpus.isdigit() or int(gpus) == 0:
+        return None
+    return (f"communities: warning: SLURM gave this job {gpus} GPU(s) per node, but device='cpu': the ranks train "
+            "on the CPUs (set device=cuda to use the GPUs)")
 
 
 def deterministic_algorithms() -> None:

@@ -274,3 +274,12 @@ def test_the_script_honours_the_umask(tmp_path, tiny_config, monkeypatch):
     finally:
         os.umask(old)
     assert (tmp_path / "results" / "tiny.sbatch").stat().st_mode & 0o777 == 0o750
+
+
+def test_a_job_given_gpus_that_trains_on_cpus_says_so():
+    """A hand-written script with GPUs and device: cpu is not a silent CPU run: rank 0 warns."""
+    from communities.engine.loop import unused_gpus
+
+    assert "SLURM gave this job 4 GPU(s) per node, but device='cpu'" in unused_gpus("cpu", {"SLURM_GPUS_ON_NODE": "4"})
+    assert unused_gpus("cuda", {"SLURM_GPUS_ON_NODE": "4"}) is None
+    assert unused_gpus("cpu", {"SLURM_GPUS_ON_NODE": "0"}) is None and unused_gpus("cpu", {}) is None
