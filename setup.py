@@ -50,9 +50,15 @@ setup(
         "privacy": ["opacus>=1.5"],
         # logging.tensorboard: true (torch.utils.tensorboard's writer needs the tensorboard package)
         "tensorboard": ["tensorboard>=2.10"],
-        # nbclient, nbformat and ipykernel execute docs/notebooks/ headless (tests/unit/test_notebook_api.py)
+        # logging.wandb: true (Weights & Biases; WANDB_MODE=offline on nodes without internet)
+        "wandb": ["wandb>=0.17"],
+        # logging.mlflow: true; the client alone (mlflow-skinny): the server, if any, runs elsewhere
+        "mlflow": ["mlflow-skinny>=2.15"],
+        # nbclient, nbformat and ipykernel execute docs/notebooks/ headless (tests/unit/test_notebook_api.py);
+        # wandb and mlflow-skinny: tests/unit/test_tracking.py (offline, a file store)
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2",
-                 "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6"],
+                 "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6",
+                 "wandb>=0.17", "mlflow-skinny>=2.15"],
         # pinned: a newer linter may flag new things, and CI runs make lint
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "py-spy>=0.3"],
         # the documentation site: mkdocs build --strict (mkdocs.yml); below the next major versions, untried here

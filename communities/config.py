@@ -412,14 +412,28 @@ class OutputConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    """Where ML users look for metrics: TensorBoard (rank 0 writes what it gathers anyway, off the training path)."""
+    """Where ML users look for metrics: TensorBoard, W&B, MLflow (rank 0 writes what it gathers anyway, off the training
+    path)."""
 
     tensorboard: bool = Field(False, description="write TensorBoard scalars (consensus and rank accuracy, loss, "
                               "dispersion, communities, p_cross, bytes, wall split) to RUN_DIR/tensorboard; needs "
                               "pip install 'communities[tensorboard]'")
-    per_rank: bool = Field(False, description="tensorboard: also every rank's own loss, accuracy and bytes")
-    dendrograms: bool = Field(True, description="tensorboard: each round's dendrogram as an image (drawn at the "
-                              "end; needs matplotlib)")
+    per_rank: bool = Field(False, description="the trackers: also every rank's own loss, accuracy and bytes")
+    dendrograms: bool = Field(True, description="the trackers: each round's dendrogram and the community timeline as "
+                              "images (drawn at the end; needs matplotlib)")
+    wandb: bool = Field(False, description="log the config, the same scalars, the dendrograms, the community timeline "
+                        "and the summary to Weights & Biases (rank 0; WANDB_MODE=offline on nodes without internet); "
+                        "needs pip install 'communities[wandb]'")
+    mlflow: bool = Field(False, description="log the same to MLflow (rank 0; the tracking server or store of "
+                         "MLFLOW_TRACKING_URI, else MLflow's default); needs pip install 'communities[mlflow]'")
+    project: str = Field("communities", description="wandb: the project; mlflow: the experiment name")
+
+
+class SlurmConfig(_Section):
+    """What ``communities slurm`` writes into the batch script besides the run itself."""
+
+    setup: List[str] = Field(default_factory=list, description="shell lines the job runs first (module loads, "
+                             "activating an environment), before communities slurm's --setup lines")
 
 
 class CommConfig(_Section):
@@ -507,7 +521,8 @@ class CheckpointConfig(_Section):
 # ``name`` follows the run directory: a copied or renamed run directory resumes under its new name.
 RESUME_MAY_CHANGE = ("train.budget", "train.wall_budget", "output", "checkpoint", "comm.check_hashes", "comm.timeout",
                      "consensus.stop", "consensus.patience", "consensus.tol", "train.eval_every", "name",
-                     "faults.disk_full_at", "logging", "data.on_mismatch", "comm.fault_tolerance", "faults.kill")
+                     "faults.disk_full_at", "logging", "data.on_mismatch", "comm.fault_tolerance", "faults.kill",
+                     "slurm")
 
 
 def differences(saved: dict, current: dict, prefix: str = "") -> List[str]:
@@ -773,6 +788,7 @@ class Config(_Section):
     ifca: IfcaConfig = IfcaConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     pbt: PbtConfig = PbtConfig()
+    slurm: SlurmConfig = SlurmConfig()
 
     @field_validator("name", mode="after")
     @classmethod

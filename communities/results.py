@@ -27,8 +27,8 @@ import errno
 import json
 import math
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum, IntEnum
 from pathlib import Path
@@ -40,8 +40,9 @@ from .errors import DiskError, ResultsError
 
 ROUND_FILES = ("signatures.npy", "Z.npy", "labels.npy", "round.json")
 
-# Files a batch system puts in a run directory before the run starts (``communities slurm``
-# writes job.sbatch there and points the job's log at slurm-<jobid>.out). They do not make the
+# Files a batch system may put in a run directory before the run starts (a hand-written script's
+# log, or an older ``communities slurm``'s job.sbatch and slurm-<jobid>.out; it now writes them
+# beside the run directory, as <name>.sbatch and <name>-<jobid>.out). They do not make the
 # directory "an existing run", and --overwrite (or a requeued job starting over) keeps them:
 # the log is open in slurmstepd and the script is what the user resubmits.
 LAUNCHER_FILES = ("job.sbatch", "slurm-*.out", "slurm-*.err")
@@ -66,7 +67,7 @@ def is_bookkeeping(path: Path) -> bool:
 RUN_MARKERS = ("meta.json", "config.yaml")
 RUN_ENTRIES = RUN_MARKERS + ("partition.json", "metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl",
                              "rounds", "checkpoints", "consensus.pt", "summary.json", "report", "STOP",
-                             "tensorboard", "models", "snapshots", "exports")
+                             "tensorboard", "wandb", "models", "snapshots", "exports")
 
 
 def _looks_like_run(root: Path, content: List[Path]) -> bool:
@@ -122,14 +123,38 @@ def _injected_full(path: Path) -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
+def new_temp_file(directory: Path, name: str) -> Tuple[int, Path]:
+    """An open, new, hidden ``.NAME.XXXXXXXX.tmp`` in ``directory``, with the mode a plain ``open()`` gives: 0666
+    less the umask (``tempfile.mkstemp`` makes 0600, which would hide a run's files from the user's group)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        path = Path(directory) / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:
+            continue
+
+
+def new_temp_dir(directory: Path, prefix: str) -> Path:
+    """A new directory ``PREFIXXXXXXXXX`` with the mode ``mkdir`` gives (0777 less the umask; mkdtemp's is 0700)."""
+    while True:
+        path = Path(directory) / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir(0o777)
+            return path
+        except FileExistsError:
+            continue
+
+
 def atomic_write_bytes(path: Path, data: bytes, full: bool = False) -> None:
     """Write ``data`` to a temporary name, fsync, rename. On failure no temporary is left behind.
 
+    The file gets the mode a plain ``open()`` gives it (the umask decides who may read it).
     ``full`` simulates a disk that fills up mid-write (fault injection): half the bytes, then ENOSPC.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = new_temp_file(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data[: len(data) // 2] if full else data)
@@ -251,7 +276,7 @@ class RunWriter:
     def _append(self, name: str, path: Path, data: bytes) -> None:
         fd = self._jsonl.get(name)
         if fd is None:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
             self._jsonl[name] = fd
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -275,7 +300,7 @@ class RunWriter:
         tmp: List[Path] = []
 
         def build() -> None:
-            tmp.append(Path(tempfile.mkdtemp(dir=self.root / "rounds", prefix=f".round_{index:04d}.")))
+            tmp.append(new_temp_dir(self.root / "rounds", f".round_{index:04d}."))
             try:
                 for name, arr in (("signatures.npy", signatures), ("Z.npy", Z), ("labels.npy", labels)):
                     atomic_write_bytes(tmp[0] / name, _np_bytes(np.ascontiguousarray(arr)), full=self.full)

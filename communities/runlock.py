@@ -97,7 +97,8 @@ class RunLock:
         """Take the lock, or raise RunLocked naming the holder. Returns a note to print, or None."""
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            # 0666: the umask decides who may read it, as for every file of the run
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
         except OSError as exc:
             raise disk_error(self.path, exc, "create") from None
         deadline = time.monotonic() + wait

@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 from scipy.cluster import hierarchy
+from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import pdist
 
 LINKAGES = ("average", "complete", "ward", "single")
@@ -420,3 +421,67 @@ def adjusted_rand(labels: np.ndarray, groups: Union[Sequence[int], np.ndarray, N
     from sklearn.metrics import adjusted_rand_score
 
     return float(adjusted_rand_score(np.asarray(groups), np.asarray(labels)))
+
+
+# --------------------------------------------------------------------------- ids across rounds
+
+
+def _first_appearance(labels: np.ndarray) -> np.ndarray:
+    """Codes 0.. in order of first appearance by rank, so equal partitions get equal codes."""
+    labels = np.asarray(labels).ravel()
+    if labels.size == 0:
+        return labels.astype(np.int64)
+    _, first, inv = np.unique(labels, return_index=True, return_inverse=True)
+    code = np.empty(first.size, dtype=np.int64)
+    code[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return code[inv.ravel()]
+
+
+def stable_labels(label_arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Community ids that persist across rounds (rounds x N), so a timeline shows splits and merges.
+
+    Raw labels are renumbered every round, so colouring by them would make
+    communities flicker. Round 0 keeps its labels (renumbered by first appearance).
+    Each later round is matched to the previous round's ids by maximum total overlap
+    (``linear_sum_assignment`` on the contingency table):
+
+    - a matched community keeps the id it overlaps;
+    - an unmatched one (the smaller part of a split, or one with no overlap) gets a
+      fresh id, never used before;
+    - when communities merge, the merged one keeps the id of the part it overlaps
+      most; the other id ends.
+
+    Ties go to the older (smaller) id and to the community holding the lowest rank,
+    so the result is a deterministic function of the inputs.
+    """
+    arrays = [np.asarray(a).ravel() for a in label_arrays]
+    if not arrays:
+        return np.zeros((0, 0), dtype=np.int64)
+    n = arrays[0].size
+    for r, a in enumerate(arrays):
+        if a.size != n:
+            raise ValueError(f"round {r} labels {a.size} ranks, round 0 labels {n}")
+    out = np.empty((len(arrays), n), dtype=np.int64)
+    out[0] = _first_appearance(arrays[0])
+    next_id = int(out[0].max()) + 1 if n else 0
+    for r in range(1, len(arrays)):
+        prev_ids, prev_code = np.unique(out[r - 1], return_inverse=True)
+        cur = _first_appearance(arrays[r])
+        n_prev, n_cur = prev_ids.size, int(cur.max()) + 1 if n else 0
+        overlap = np.zeros((n_prev, n_cur), dtype=np.int64)
+        np.add.at(overlap, (prev_code.ravel(), cur), 1)
+        # A tie-break below one unit of overlap in total: it never changes the total
+        # overlap, only which of the equally good matchings is chosen.
+        k = min(n_prev, n_cur) + 1
+        tie = (np.arange(n_prev)[:, None] * n_cur + np.arange(n_cur)[None, :] + 1) / ((n_prev * n_cur + 1) * k)
+        rows, cols = linear_sum_assignment(overlap - tie, maximize=True)
+        new_id = np.full(n_cur, -1, dtype=np.int64)
+        for p, c in zip(rows, cols):
+            if overlap[p, c] > 0:
+                new_id[c] = prev_ids[p]
+        for c in range(n_cur):
+            if new_id[c] < 0:
+                new_id[c] = next_id
+                next_id += 1
+        out[r] = new_id[cur]
+    return out

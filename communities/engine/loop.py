@@ -42,7 +42,7 @@ from .outcome.community_mode import CommunityMode
 from .outcome.consensus import Decision
 from .outcome.delivery import Delivery
 from .progress import Progress
-from .record import tensorboard_log
+from .record import trackers, tracking
 from .record.round_snapshots import RoundSnapshots
 from .record.runlog import RunLog, count_merges, language_model, print_summary
 from .replica.replica import Replica
@@ -55,6 +55,29 @@ from .timer import Timer
 log = logging.getLogger(__name__)
 
 
+
+def _set_up(cfg: Config, world: World) -> torch.device:
+    """Every rank's checks and settings before the parts are built (each a step all ranks pass or none does):
+    the world and the trackers' and DP's packages, ULFM, the watchdog, threads, determinism, the device."""
+    def check() -> None:
+        cfg.check_world(world.size)
+        tracking.check_available(cfg)
+        if cfg.privacy.enabled:
+            private.require_opacus()
+
+    collective_check(world, check)
+    if cfg.comm.fault_tolerance == "shrink":
+        on_every_rank(world, world.enable_shrink)  # no ULFM here: exit 2 naming the launch line
+    world.set_timeout(cfg.comm.timeout)
+    torch.set_num_threads(cfg.threads or _env_threads())
+    deterministic_algorithms()
+    local_rank = world.local_rank if cfg.device != "cpu" else 0  # a collective: before on_every_rank
+    device = on_every_rank(world, lambda: select_device(cfg.device, local_rank))
+    unused = unused_gpus(cfg.device)
+    if unused and world.leads:
+        log.warning(unused)
+    return device
+
 class Engine:
     """One rank's engine. Build with ``Engine(cfg, world, run_dir, ...)`` (a collective), then ``run()``."""
 
@@ -65,20 +88,7 @@ class Engine:
         if resume is not Resume.FRESH:
             survival.resume_membership(world, Path(run_dir))  # a job of survivors: their logical ranks
 
-        def check() -> None:
-            cfg.check_world(world.size)
-            tensorboard_log.check_available(cfg)
-            if cfg.privacy.enabled:
-                private.require_opacus()
-
-        collective_check(world, check)
-        if cfg.comm.fault_tolerance == "shrink":
-            on_every_rank(world, world.enable_shrink)  # no ULFM here: exit 2 naming the launch line
-        world.set_timeout(cfg.comm.timeout)
-        torch.set_num_threads(cfg.threads or _env_threads())
-        deterministic_algorithms()
-        local_rank = world.local_rank if cfg.device != "cpu" else 0  # a collective: before on_every_rank
-        device = on_every_rank(world, lambda: select_device(cfg.device, local_rank))
+        device = _set_up(cfg, world)
         self.timer = Timer(turns=world.turn_seconds, waits=world.waited_seconds)
         self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
         self.agreement = RunningDigest()
@@ -134,14 +144,15 @@ class Engine:
         self.logged_t = self.t
         if resumed is not None:
             self.survival.restore(read_info(resumed))
-        if world.leads and cfg.logging.tensorboard:
-            self.log.board = tensorboard_log.TensorBoardLog(cfg, run_dir, self.t)
+        if world.leads and tracking.enabled(cfg):
+            self._open_trackers(self.t)
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> Optional[Summary]:
         """Train until consensus or the budget; rank 0 returns the summary."""
         self.timer.start()
+        self.progress.begin(self.t)
         previous_handlers = stopflag.install()
         try:
             # what the parts do not claim: the loop itself, checkpoints, log writes
@@ -150,15 +161,30 @@ class Engine:
         except Preempted:
             # Keep the flag-only handlers: after `scontrol requeue` SLURM sends SIGTERM to every rank while
             # they are exiting, and they must still exit 75 rather than die of the signal.
+            self._close_trackers("interrupted")
             raise
         except DiskError as exc:  # raised on every rank at the same collective step
             stopflag.restore(previous_handlers)
+            self._close_trackers("failed")
             raise self.run_dir.failed(exc, self.t) from None
+        except BaseException:
+            self._close_trackers("failed")
+            raise
         else:
             stopflag.restore(previous_handlers)
             return summary
         finally:
             self.progress.close()
+
+    def _open_trackers(self, t: int) -> None:
+        """The lead: TensorBoard, W&B, MLflow as configured; where they log goes into meta.json's ``tracking``."""
+        meta = self.run_dir.meta
+        self.log.board = trackers.open_trackers(self.cfg, self.run_dir.path, t, key=str(meta.get("run_id", "")))
+        meta["tracking"] = self.log.board.identities()
+
+    def _close_trackers(self, status: str) -> None:
+        if self.log.board is not None:
+            self.log.board.close(status)
 
     def _train(self) -> Optional[Summary]:
         """The units, then the end; a lost rank (fault_tolerance shrink) sends the survivors back to a round."""
@@ -270,8 +296,8 @@ class Engine:
         self._heir = True  # its own merge count started at zero: it counts the file's instead
         if self.cfg.protocol == "async":  # (nothing is rewound after it: count now)
             self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
-        if self.cfg.logging.tensorboard and self.log.board is None:
-            self.log.board = tensorboard_log.TensorBoardLog(self.cfg, self.run_dir.path, t)
+        if tracking.enabled(self.cfg) and self.log.board is None:
+            self._open_trackers(t)
 
     def _rewind(self, t: int, lost: bool = False) -> None:
         """The lead, after a loss: the logs back to t. An heir of a lost writer counts the merges written so far
@@ -342,6 +368,16 @@ def select_device(device: str, local_rank: int) -> torch.device:
                               f"{platform.node()}")
         return torch.device("cpu")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def unused_gpus(device: str, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """A warning when SLURM gave the job GPUs (``SLURM_GPUS_ON_NODE``) that ``device: cpu`` leaves idle: a
+    hand-written batch script's (``communities slurm`` refuses the combination)."""
+    gpus = (os.environ if env is None else env).get("SLURM_GPUS_ON_NODE", "").strip()
+    if device != "cpu" or not gpus.isdigit() or int(gpus) == 0:
+        return None
+    return (f"communities: warning: SLURM gave this job {gpus} GPU(s) per node, but device='cpu': the ranks train "
+            "on the CPUs (set device=cuda to use the GPUs)")
 
 
 def deterministic_algorithms() -> None:

@@ -106,7 +106,7 @@ def _cached(root: str, name: str, key: str, generate) -> Tuple[np.ndarray, ...]:
     side by side) wait for the one that generates instead of each generating it.
     """
     import fcntl
-    import tempfile
+    import secrets
 
     root = os.path.abspath(os.path.expanduser(root))
     path = os.path.join(root, f"{name}-{key}.npz")
@@ -127,7 +127,9 @@ def _cached(root: str, name: str, key: str, generate) -> Tuple[np.ndarray, ...]:
             return _read_cache(path)
         arrays = generate()
         try:
-            fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{name}-{key}.", suffix=".tmp")
+            # a cache a team may share: the mode open() gives (0666 less the umask), not mkstemp's 0600
+            tmp = os.path.join(root, f".{name}-{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
             try:
                 with os.fdopen(fd, "wb") as fh:
                     np.savez(fh, **dict(zip(ARRAY_KEYS, arrays)))

@@ -57,6 +57,11 @@ base=${SLURM_CI_PORT:-16817}
 while ! { port_free "$base" && port_free $((base + 1)); }; do base=$((base + 2)); done
 CTLD_PORT=$base SLURMD_PORT=$((base + 1))
 
+# Job ids start at a number of this start's own, not at 1: MPICH names a job's shared-memory segment
+# (/dev/shm/mpich_shm_*) after its PMI name, which under srun --mpi=pmi2 is JOBID.STEPID. A killed job leaves its
+# segment behind, and job 1.0 of the next throwaway cluster opened the same one and hung in MPI_Init.
+FIRST_JOB=$(( ($(date +%s) % 600000) * 100 + $$ % 100 + 1000 ))
+
 mkdir -p "$DIR"/{munge,state,spool,log,tmp}
 chmod 700 "$DIR/munge"
 
@@ -100,6 +105,7 @@ JobCompType=jobcomp/none
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
+FirstJobId=$FIRST_JOB
 KillWait=10
 MinJobAge=900
 InactiveLimit=0

@@ -8,8 +8,9 @@ Deselect them with ``-m "not slurm"``. The batch-script template and ``communiti
 itself, which need nothing but bash, are tested in tests/unit/test_slurm_script.py.
 
 Inside the allocation both launchers are exercised: ``srun --mpi=pmi2`` (works with the
-``mpich`` PyPI wheel's PMI client) and the wheel's own hydra ``mpiexec`` (which starts its
-proxies with srun and reads the allocation from SLURM's environment).
+``mpich`` PyPI wheel's PMI client; the default here, since this SLURM's ``srun --mpi=list``
+offers pmi2) and the wheel's own hydra ``mpiexec`` (which starts its proxies with srun and
+reads the allocation from SLURM's environment).
 """
 from __future__ import annotations
 
@@ -52,25 +53,43 @@ def say(capsys, text: str) -> None:
 
 @pytest.mark.slurm
 def test_submit_runs_to_completion(slurm_cluster, tmp_path, tiny_config, capsys):
-    """srun --mpi=pmi2 here; the preemption test runs under both launchers, the sweep under mpiexec."""
+    """The default launcher on this cluster (its srun lists pmi2, which the mpich wheel speaks): srun --mpi=pmi2.
+    The job runs the setup block first; its files honour the submitter's umask; meta.json names the job; the
+    progress lines say how fast the run goes; generating the script made no run directory."""
     c = slurm_cluster
-    launcher = "srun"
     t0 = time.monotonic()
     res = gen(tiny_config, "output.root=results", "--ntasks-per-node", 4, "--time", "00:10:00",
-              "--launcher", launcher, "--submit", cwd=tmp_path, env=c.env)
-    script, job = res.stdout.split()
-    assert job.isdigit() and Path(script) == tmp_path / "results" / "tiny" / "job.sbatch"
-    [info] = c.wait_done(job, timeout=240)
+              "--setup", "export SETUP_MARK=from-setup", "--setup", 'echo "== setup ran in $PWD: $SETUP_MARK"',
+              cwd=tmp_path, env=c.env)
+    script = Path(res.stdout.split()[0])
     run = tmp_path / "results" / "tiny"
-    log = (run / f"slurm-{job}.out").read_text()
-    say(capsys, f"\n{launcher}: job {job} {info['JobState']} exit {info['ExitCode']} in {time.monotonic() - t0:.1f}s")
+    assert script == tmp_path / "results" / "tiny.sbatch" and not run.exists()
+    assert "communities slurm: launcher srun --mpi=pmi2 (srun --mpi=list offers pmi2, which MPICH" in res.stderr
+    # sbatch passes the submitter's umask to the job (SLURM_UMASK)
+    sub = c.cmd("bash", "-c", f"umask 002 && sbatch --parsable {script}", cwd=tmp_path)
+    job = sub.stdout.strip().split(";")[0]
+    [info] = c.wait_done(job, timeout=240)
+    log = (tmp_path / "results" / f"tiny-{job}.out").read_text()
+    say(capsys, f"\nsrun: job {job} {info['JobState']} exit {info['ExitCode']} in {time.monotonic() - t0:.1f}s")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     meta = read_meta(run)
     assert meta["status"] == "complete" and meta["world_size"] == 4 and summary["units"] == 40
     assert (run / "consensus.pt").stat().st_size > 0
-    assert "attempt 1 on " in log and "done: " in log
-    assert ("srun --mpi=pmi2" in log) == (launcher == "srun")
+    assert "attempt 1 on " in log and "done: " in log and "srun --mpi=pmi2 --ntasks=4" in log
+    assert f"== setup ran in {tmp_path}: from-setup" in log
+    # provenance: the job, its node, the code
+    assert meta["slurm"]["job_id"] == int(job) and meta["slurm"]["ntasks"] == 4
+    assert meta["slurm"].get("restart_count", 0) == 0 and "array_task_id" not in meta["slurm"]
+    assert meta["hosts"] == [meta["writers"][0]["host"]] and meta["writers"][0]["slurm_job_id"] == job
+    assert meta["git"]["commit"] and meta["command"][1:3] == ["run", str(tiny_config)]
+    # progress lines with elapsed time, speed and ETA
+    assert re.search(r"\[tiny\] t=\d+/40 \(\d+%\) \d+:\d\d elapsed, [\d.]+ (units/s|s/unit), eta \d+:\d\d", log), \
+        log[-2000:]
+    # every file and directory of the run as the umask says: the team can read them
+    wrong = [(str(p.relative_to(run)), oct(p.stat().st_mode & 0o777)) for p in run.rglob("*")
+             if p.stat().st_mode & 0o777 != (0o775 if p.is_dir() else 0o664)]
+    assert not wrong, wrong
 
 
 @pytest.mark.slurm
@@ -92,7 +111,7 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
                   "--launcher", launcher, "--submit", cwd=where, env=c.env)
         job = res.stdout.split()[1]
         run = where / "results" / "tiny"
-        return job, run, run / f"slurm-{job}.out"
+        return job, run, where / "results" / f"tiny-{job}.out"
 
     job, run, log = submit(tmp_path)
     # Two CI runs (srun) saw a first attempt that never started its run: RUNNING for 5 minutes with no meta.json,
@@ -150,6 +169,9 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
     assert "attempt 2 on " in text and "done: " in text
     meta = read_meta(run)
     assert meta["status"] == "complete" and meta.get("resumed"), meta
+    # the requeued attempt is the same job, restarted; each attempt's writer names it
+    assert meta["slurm"]["job_id"] == int(job) and meta["slurm"]["restart_count"] >= 1
+    assert [w["slurm_job_id"] for w in meta["writers"]] == [job, job]
     got = run / "consensus.pt"
     say(capsys, f"{launcher}: sha256 uninterrupted {sha256(ref)}\n{launcher}: sha256 resumed       {sha256(got)}")
     assert weights_equal(ref, got)
@@ -169,12 +191,13 @@ def test_sweep_array_of_two_seeds(slurm_cluster, tmp_path, tiny_config, capsys):
     say(capsys, f"\nsweep job {job}: {[(t.get('ArrayTaskId'), t['JobState'], t['ExitCode']) for t in tasks]} "
           f"in {time.monotonic() - t0:.1f}s")
     assert len(tasks) == 2 and all(t["JobState"] == "COMPLETED" and t["ExitCode"] == "0:0" for t in tasks), logs
-    runs = sorted(p.name for p in (tmp_path / "results").iterdir())
+    runs = sorted(p.name for p in (tmp_path / "results").iterdir() if p.is_dir())
     assert runs == ["tiny-seed0", "tiny-seed1"]
     for seed, name in enumerate(runs):
         run = tmp_path / "results" / name
         meta, cfg = read_meta(run), (run / "config.yaml").read_text()
+        assert meta["slurm"]["array_job_id"] == int(job) and meta["slurm"]["array_task_id"] == seed
         assert meta["status"] == "complete" and meta["world_size"] == 2 and (run / "summary.json").exists()
-        assert re.search(rf"^seed: {seed}$", cfg, re.M) and (run / "job.sbatch").exists()
+        assert re.search(rf"^seed: {seed}$", cfg, re.M) and (run.parent / f"{name}.sbatch").exists()
     assert not weights_equal(tmp_path / "results" / runs[0] / "consensus.pt",
                              tmp_path / "results" / runs[1] / "consensus.pt")

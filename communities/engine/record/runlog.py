@@ -46,7 +46,7 @@ from ..outcome.consensus import Decision
 from ..replica.examples import ExampleTracker
 from ..rounds.signature_rounds import RoundResult
 from ..timer import Timer
-from .tensorboard_log import TensorBoardLog
+from .tracking import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class RunLog:
         self.merge_rows: List[MergeRow] = []
         self.merges_logged = 0  # rank 0: pairwise merges written (counted once, at the initiator)
         self.products: dict = {}  # rank 0: manifest entries of the files written at the end
-        self.board: Optional[TensorBoardLog] = None  # rank 0 with logging.tensorboard: the same rows as scalars
+        self.board: Optional[Trackers] = None  # rank 0 with logging.tensorboard/wandb/mlflow: the same rows
         self.hyper_names = pbt.Space.of(cfg.pbt.params).names if cfg.pbt.enabled else ()
         self.hyper_rows: List[np.ndarray] = []  # pbt: one row per metric row
         # async under comm.fault_tolerance shrink: the rows written, per file, so that a final gather a loss cut
@@ -134,7 +134,7 @@ class RunLog:
                       f"dispersion {rnd.dispersion:.4g}" + (f", p_cross {info['p_cross']:.3g}"
                                                             if info["p_cross"] is not None else ""))
             if self.board is not None:
-                self.board.round(info, com.Z)
+                self.board.round(info, com.Z, com.labels)
         if tracker is not None and self.collective:
             self._examples(rnd.index, rnd.t, tracker)
 

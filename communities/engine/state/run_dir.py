@@ -20,15 +20,14 @@ import datetime as _dt
 import json
 import logging
 import os
-import platform
 import shutil
 import socket
 import subprocess
+import uuid
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ...config import Config, differences
@@ -39,7 +38,7 @@ from ...runlock import RunLock
 from ...runtime.collective import collective_check
 from ...runtime.comm import World
 from ...workload import data
-from . import checkpoint
+from . import checkpoint, provenance
 
 log = logging.getLogger(__name__)
 
@@ -190,20 +189,14 @@ class RunDirectory:
         log.info(f"communities: falling back to checkpoint {chosen} (t={t}), the newest intact one")
 
     def _write_meta(self, resumed_from: str, hosts: List[str], argv: List[str], device, n_params: int) -> None:
-        import mpi4py
-        import scipy
-
-        from ... import __version__
-
         previous = read_json(self.path / "meta.json") if resumed_from and (self.path / "meta.json").exists() else {}
         why = f"resumed from {resumed_from}" if resumed_from else "started the run"
         self.meta = {
-            "package_version": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "numpy": np.__version__, "scipy": scipy.__version__, "mpi4py": mpi4py.__version__,
-            "mpi_library": World.library_version(), "world_size": self.world.size, "hosts": sorted(set(hosts)),
-            "device": str(device), "strategy": self.cfg.strategy, "n_params": int(n_params),
-            "command": list(argv), "start_time": previous.get("start_time", now()), "end_time": None,
-            "status": "running",
+            **provenance.provenance(argv, World.library_version()),
+            "run_id": previous.get("run_id") or uuid.uuid4().hex[:16],
+            "world_size": self.world.size, "hosts": sorted(set(hosts)), "device": str(device),
+            "strategy": self.cfg.strategy, "n_params": int(n_params),
+            "start_time": previous.get("start_time", now()), "end_time": None, "status": "running",
             "resumed": previous.get("resumed", []) + ([{"from": resumed_from, "at": now()}] if resumed_from else []),
             "writers": previous.get("writers", []) + [self._writer_entry(why)],
         }
@@ -211,9 +204,13 @@ class RunDirectory:
         self.writer.write_json("meta.json", self.meta)
 
     def _writer_entry(self, why: str) -> dict:
-        """``meta.json``'s record of a writer: which rank, which process, since when, and why."""
-        return {"rank": int(self.world.rank), "host": socket.gethostname(), "pid": os.getpid(), "at": now(),
-                "why": why}
+        """``meta.json``'s record of a writer: which rank, which process (and SLURM job), since when, and why."""
+        entry = {"rank": int(self.world.rank), "host": socket.gethostname(), "pid": os.getpid(), "at": now(),
+                 "why": why}
+        job = os.environ.get("SLURM_JOB_ID")
+        if job:
+            entry["slurm_job_id"] = job
+        return entry
 
     def take_over(self, t: int, lost: List[int], argv: List[str]) -> None:
         """The new lead, when the writer was lost (``comm.fault_tolerance: shrink``): it becomes the writer.
