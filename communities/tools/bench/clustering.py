@@ -49,6 +49,7 @@ def bench_clustering(args) -> int:
 
     from ... import config
     from ...core import clustering
+    from ...core.significance import detect_communities
     from ...engine.mixing import strategies
 
     machine = machine_load()
@@ -67,14 +68,17 @@ def bench_clustering(args) -> int:
                 cc = cfg.clustering
                 t_unit = 1
                 k = int(round(min(args.k, n))) if cut == "maxclust" else None
-                times = {"pairwise": [], "linkage": [], "cut": [], "find_communities": [], "law": [], "draws": []}
+                times = {"pairwise": [], "linkage": [], "test": [], "cut": [], "find_communities": [], "law": [],
+                         "draws": []}
                 for rep in range(args.reps + 1):  # the first is a warm-up
                     strat = strategies.make(cfg, n)
                     t0 = time.perf_counter()
                     com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
                                                       max_k=min(cc.max_communities, n - 1),
                                                       min_silhouette=cc.min_silhouette,
-                                                      min_separation=cc.min_separation)
+                                                      min_separation=cc.min_separation, alpha=cc.alpha,
+                                                      draws=cc.draws, null=cc.null, test_rows=cc.test_rows,
+                                                      refined=cc.refine, seed=0, t=t_unit)
                     strat.observe(com, None, t_unit)  # no mixer: partner_policy law needs none
                     t1 = time.perf_counter()
                     strat.law(t_unit)
@@ -87,37 +91,44 @@ def bench_clustering(args) -> int:
                     p1 = time.perf_counter()
                     Z = clustering.hierarchy.linkage(d, method=cc.linkage)
                     p2 = time.perf_counter()
+                    geo = clustering.geometry(S, cc.metric)
+                    count = k
                     if cut == "auto":
-                        clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
-                                            cc.min_separation)
-                    else:
-                        clustering.cut_maxclust(Z, k)
+                        det = detect_communities(geo, max_k=min(cc.max_communities, n - 1), alpha=cc.alpha,
+                                                 draws=cc.draws, seed=0, t=t_unit, null=cc.null,
+                                                 max_rows=cc.test_rows)
+                        count = det.k
                     p3 = time.perf_counter()
+                    labels = clustering.cut_k(Z, count, geo if cc.refine else None)
+                    if cut == "auto":
+                        clustering.merge_closer_than(labels, d, cc.min_separation * float(
+                            np.sqrt(np.mean(np.sum(np.asarray(S, dtype=np.float64) ** 2, axis=1)))))
+                    p4 = time.perf_counter()
                     if rep == 0:
                         continue
                     times["pairwise"].append(p1 - p0)
                     times["linkage"].append(p2 - p1)
-                    times["cut"].append(p3 - p2)
+                    times["test"].append(p3 - p2)
+                    times["cut"].append(p4 - p3)
                     times["find_communities"].append(t1 - t0)
                     times["law"].append(t2 - t1)
                     times["draws"].append(t3 - t2)
                 med = {key: median(v) for key, v in times.items()}
                 total = med["find_communities"] + med["law"] + med["draws"]
                 r = {"n": n, "dim": args.dim, "cut": cut, "law": law, "communities": com.count,
+                     "p_value": com.test.p_value if com.test is not None else None,
                      "exchanges": len(plan), **{f"{key}_s": v for key, v in med.items()}, "total_s": total}
                 ref_cell = "-"
                 if cut == "auto" and args.reference and law == args.laws[0]:
                     ref_t = []
                     for _ in range(max(1, min(args.reps, 3))):
                         q0 = time.perf_counter()
-                        ref = cut_auto_sklearn(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
-                                                cc.min_separation)
+                        ref = cut_auto_sklearn(Z, d, min(cc.max_communities, n - 1), 0.25, cc.min_separation)
                         ref_t.append(time.perf_counter() - q0)
                     fast_t = []
                     for _ in range(max(1, min(args.reps, 3))):
                         q0 = time.perf_counter()
-                        fast = clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette,
-                                                   cc.min_separation)
+                        fast = clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), 0.25, cc.min_separation)
                         fast_t.append(time.perf_counter() - q0)
                     r["cut_reference_s"], r["cut_current_s"] = median(ref_t), median(fast_t)
                     r["cut_same_labels"] = bool(np.array_equal(ref, fast))
@@ -134,26 +145,30 @@ def bench_clustering(args) -> int:
                                 f"{r['cut_reference_s'] * 1e3:.1f} -> {r['cut_current_s'] * 1e3:.1f} "
                                 f"({'same' if r['cut_same_labels'] else 'DIFFERENT'} labels)")
                 results.append(r)
-                rows.append([n, cut, law, com.count, *[f"{med[key] * 1e3:.1f}" for key in times],
+                rows.append([n, cut, law, com.count, "-" if com.test is None else f"{com.test.p_value:.3f}",
+                             *[f"{med[key] * 1e3:.1f}" for key in times],
                              f"{total * 1e3:.1f}", ref_cell])
                 print(f"  measured N={n} cut={cut} law={law}", file=sys.stderr, flush=True)
-    print(f"bench clustering: signatures N x d={args.dim} float32 with {args.groups} planted groups; engine defaults "
-          "(average linkage, cosine, auto: k=2..16, silhouette >= 0.25, separation >= 0.1); "
+    print(f"bench clustering: signatures N x d={args.dim} float32 with {args.groups} planted group(s); engine "
+          "defaults (ward linkage, euclidean, cuts refined by Lloyd steps; auto: the community test at level "
+          f"{cfg.clustering.alpha} with {cfg.clustering.draws} null draws, k <= 16, separation >= 0.1); "
           f"maxclust k={args.k}; median of {args.reps} repetitions after a warm-up; {machine}")
     print()
-    print(fmt_table(["N", "cut", "law", "communities", "pairwise ms", "linkage ms", "cut ms", "find_communities ms",
-                      "law ms", "draws ms", "total ms",
-                      "first written -> now, ms: pairwise (pdist -> Gram); auto cut (sklearn per k -> one pass)"], rows,
-                     align="lll" + "r" * 8 + "l"))
+    print(fmt_table(["N", "cut", "law", "communities", "p-value", "pairwise ms", "linkage ms", "test ms", "cut ms",
+                      "find_communities ms", "law ms", "draws ms", "total ms",
+                      "legacy cut, ms: pairwise (pdist -> Gram); silhouette cut (sklearn per k -> one pass)"], rows,
+                     align="lll" + "r" * 10 + "l"))
     print()
-    print("find_communities = pairwise (float64 Gram blocks, clustering._gram_distances) + linkage (scipy) + the cut, "
-          "each also timed alone; total = "
-          "find_communities + law + draws; law = "
+    print("find_communities = pairwise (float64 Gram blocks, clustering._gram_distances) + linkage (scipy) + test "
+          "(the community test, significance.detect_communities: PCA, Ward on the top components of the rows and of "
+          "each null draw) + cut (the tree's cut at the test's k, Lloyd refinement, separation floor), each also "
+          "timed alone; total = find_communities + law + draws; law = "
           "Strategy.law(t) (hierarchical: cophenetic heights); draws = Strategy.exchanges(t, all N ranks) "
           "(one partner draw per rank, as if every timer fired; in the engine about N/lambda ranks draw every "
           "unit). Last column: scipy pdist (as first written) against the Gram distances now, with their largest "
-          "relative difference; the auto cut with sklearn's silhouette_score per k (as first written) against "
-          "clustering.cut_auto now, on the same tree. Target: total < 1 s at N=4096.")
+          "relative difference; the best-silhouette cut (clustering.alpha=null, min_silhouette 0.25) with sklearn's "
+          "silhouette_score per k (as first written) against clustering.cut_auto now, on the same tree. "
+          "Target: total < 1 s at N=4096.")
     write_json(args.json, {"bench": "clustering", "results": results})
     return 0
 
