@@ -1,5 +1,5 @@
-"""Benchmarks: ``communities bench exchange | signature | clustering | partners | overhead | inspect | vectorize
-| scale | privacy | chaos``.
+"""Benchmarks: ``communities bench exchange | signature | clustering | calibration | partners | overhead | inspect
+| vectorize | scale | privacy | chaos``.
 
 Each prints a table of measured figures (and writes them with ``--json PATH``).
 Nothing here asserts a speed: targets are printed next to the figures so a
@@ -12,6 +12,8 @@ reader can judge them on their own machine.
 - ``signature``: count-sketch and Gaussian signature throughput against
   ``torch.sum`` over the same buffer, peak memory overhead, distance distortion.
 - ``clustering``: linkage + cut + partner law + partner draws for all ranks.
+- ``calibration``: the community test's false-positive rate on clouds without communities and its detection
+  rate on planted groups, simulated and on the saved first rounds of real runs.
 - ``partners``: one round's partner law and one unit's exchange list at N replicas
   (flat, hierarchical, least_recent), with the law's peak memory.
 - ``overhead``: real engine runs; the orchestration share of wall time, and with
@@ -31,11 +33,24 @@ import sys
 from typing import List, Optional
 
 from ...cli import hide_subcommands, plain_text
-from . import chaos, clustering, exchange, inspection, overhead, partners, privacy, scale, signature, vectorize
+from . import (
+    calibration,
+    chaos,
+    clustering,
+    exchange,
+    inspection,
+    overhead,
+    partners,
+    privacy,
+    scale,
+    signature,
+    vectorize,
+)
 
 # the benchmarks in the order ``communities bench --help`` lists them; each module adds its subcommands, and each
 # subcommand names its handler (``set_defaults(handler=...)``)
-BENCHMARKS = (exchange, signature, clustering, partners, overhead, inspection, vectorize, privacy, scale, chaos)
+BENCHMARKS = (exchange, signature, clustering, calibration, partners, overhead, inspection, vectorize, privacy, scale,
+              chaos)
 HIDDEN = ("_signature-one", "_profile-rank")  # what ranks and child processes run, not users
 
 
