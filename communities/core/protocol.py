@@ -34,7 +34,8 @@ class Purpose(IntEnum):
     PBT_DRAW = 12  # pbt: a replica's first hyperparameters
     PBT_EXPLORE = 13  # pbt: the perturbation of hyperparameters a replica adopts
     HYPERCUBE = 14  # partners.schedule hypercube: whether a unit's stage spans the whole world
-    PBT_SELECT = 15  # pbt.selection truncation: which replica of the top a bottom replica adopts from
+    PBT_SELECT = 16  # pbt.selection truncation: which replica of the top a bottom replica adopts from
+    COMMUNITY = 15  # clustering.cut auto: the null draws of the community test (core/significance.py)
 
 
 Exchange = Tuple[int, int]  # (initiator, partner)

@@ -3,7 +3,8 @@
 Why: the dendrogram of every round is saved, so a user can pick a round and a
 level after the fact, as they would read them off ``communities inspect``.
 This cuts round R's saved linkage (``rounds/round_RRRR/Z.npy``) with scipy's
-``fcluster`` (``maxclust`` K, or ``distance`` H), averages the members' weight
+``fcluster`` (``maxclust`` K, or ``distance`` H), refined by Lloyd steps on the
+round's signatures as the engine's cuts are (``clustering.refine``), averages the members' weight
 snapshots of that round (``snapshots/round_RRRR/``, written by runs with
 ``output.round_snapshots: true``) into one model per community, scores each on
 its members' local test data (mean over members) and on the shared test split,
@@ -34,15 +35,19 @@ import numpy as np
 from ..errors import EXIT_USER, UserError
 
 
-def community_labels(Z: np.ndarray, k: Optional[int] = None, height: Optional[float] = None) -> np.ndarray:
-    """Round labels of a cut of the linkage Z: k communities (maxclust) or at a height (distance)."""
+def community_labels(Z: np.ndarray, k: Optional[int] = None, height: Optional[float] = None,
+                     rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """Round labels of a cut of the linkage Z: k communities (maxclust) or at a height (distance), refined by
+    Lloyd steps on ``rows`` where given (the round's signatures in the clustering's geometry, as the engine's
+    cuts are with ``clustering.refine``)."""
     from ..core import clustering
 
-    if k is not None:
-        return clustering.cut_maxclust(Z, k)
-    if height is None:
+    if k is None and height is None:
         raise ValueError("community_labels needs k or a height")
-    return clustering.cut_distance(Z, float(height))
+    labels = clustering.cut_maxclust(Z, k) if k is not None else clustering.cut_distance(Z, float(height or 0.0))
+    if rows is not None and labels.max() >= 1:
+        labels = clustering.refine(rows, labels, clustering.REFINE_STEPS)
+    return labels
 
 
 def load_snapshots(run_dir: Path, round_index: int, n: int):
@@ -101,8 +106,12 @@ def export(run_dir: Path, round_index: int, k: Optional[int] = None, height: Opt
         raise ResultsError(f"{run_dir / 'rounds' / f'round_{round_index:04d}'}: no such round (the run has {have})")
     rnd = load_round(by_index[round_index])
     cfg = config_mod.from_dict(run.config, source=str(run_dir / "config.yaml"))
-    labels = community_labels(np.asarray(rnd.Z, dtype=np.float64), k, height)
-    labels = np.repeat(labels, cfg.train.group_size)  # (data-parallel groups: the tree's leaves are groups)
+    from ..core import clustering
+
+    # refined as the engine's cuts are (a cka signature's geometry needs its distances, which no round keeps)
+    rows = clustering.geometry(np.asarray(rnd.signatures, dtype=np.float64), cfg.clustering.metric) \
+        if cfg.clustering.refine and cfg.signature.kind != "cka" else None
+    labels = community_labels(np.asarray(rnd.Z, dtype=np.float64), k, height, rows)
     weights = load_snapshots(run_dir, round_index, n)
     means = community_means(weights, labels)
 

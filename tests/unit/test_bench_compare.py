@@ -77,6 +77,25 @@ def test_bench_clustering_runs_small_and_prints(capsys, tmp_path):
     assert all(r["communities"] == 8 for r in data["results"] if r["n"] == 64)  # the 8 planted groups
 
 
+def test_bench_calibration_reports_rates_beside_the_level(capsys, tmp_path):
+    from communities.tools.synthetic import make_run
+
+    for name, groups in (("planted", 4), ("none", None)):
+        for seed in range(2):
+            make_run(tmp_path / f"{name}_s{seed}", n_ranks=16, n_rounds=2, groups=groups, seed=seed)
+    out = tmp_path / "cal.json"
+    assert main_bench(["calibration", "--kinds", "gaussian", "planted", "--n", "16", "--reps", "2", "--runs",
+                       f"planted={tmp_path}/planted_s*", f"none={tmp_path}/none_s*", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "level alpha=0.05" in text and "simulated planted" in text and "planted" in text
+    data = json.loads(out.read_text())
+    by_source = {r["source"]: r for r in data["results"]}
+    assert len(by_source["planted"]["decisions"]) == 2 and by_source["planted"]["planted"]
+    assert all(d["communities"] == 4 and d["ari"] == 1.0 for d in by_source["planted"]["decisions"])
+    assert not by_source["none"]["planted"] and all(d["ari"] is None for d in by_source["none"]["decisions"])
+    assert main_bench(["calibration", "--kinds", "--runs", f"{tmp_path}/nothing_*"]) == 2
+
+
 def test_fast_silhouettes_equal_sklearn_and_pick_the_same_cut():
     from scipy.cluster import hierarchy
     from scipy.spatial.distance import squareform

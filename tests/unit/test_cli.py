@@ -37,8 +37,8 @@ def test_help_usage_and_dispatch_come_from_one_table(capsys):
 
 def test_bench_lists_its_table_and_keeps_its_internal_subcommands_out_of_help_and_errors(capsys):
     shown = bench.visible_benchmarks()
-    assert shown == ["exchange", "signature", "clustering", "partners", "overhead", "inspect", "vectorize", "privacy",
-                     "scale", "chaos"]
+    assert shown == ["exchange", "signature", "clustering", "calibration", "partners", "overhead", "inspect",
+                     "vectorize", "privacy", "scale", "chaos"]
     assert not set(bench.HIDDEN) & set(shown)
     help_line = next(c for c in cli.COMMANDS if c.name == "bench").help_text
     assert help_line == "benchmarks: bench " + " | ".join(shown)

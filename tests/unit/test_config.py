@@ -39,10 +39,26 @@ def test_bad_values_name_the_key(override, needle):
     assert needle in str(exc.value)
 
 
-def test_ward_needs_euclidean():
-    with pytest.raises(ConfigError, match="ward"):
-        config.load("configs/quickstart.yaml", ["clustering.linkage=ward"])
-    config.load("configs/quickstart.yaml", ["clustering.linkage=ward", "clustering.metric=euclidean"])
+def test_ward_with_cosine_is_ward_on_unit_rows():
+    """The default linkage is ward: a user who asks for cosine distances gets Ward's tree of the unit rows."""
+    import numpy as np
+
+    from communities.core import clustering
+
+    cfg = config.load("configs/quickstart.yaml", ["clustering.metric=cosine"])
+    assert (cfg.clustering.linkage, cfg.clustering.metric) == ("ward", "cosine")
+    S = np.random.default_rng(0).normal(size=(12, 6))
+    Z, d = clustering.build_tree(S, "ward", "cosine")
+    Z_units, _ = clustering.build_tree(S / np.linalg.norm(S, axis=1, keepdims=True), "ward", "euclidean")
+    np.testing.assert_allclose(Z, Z_units, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(d, clustering._pdist(clustering._rows(S, "cosine"), "cosine"), atol=1e-12)
+
+
+def test_too_few_draws_for_the_level_is_refused():
+    with pytest.raises(ConfigError, match="clustering.draws=9"):
+        config.load("configs/quickstart.yaml", ["clustering.alpha=0.05", "clustering.draws=9"])
+    config.load("configs/quickstart.yaml", ["clustering.alpha=0.05", "clustering.draws=19"])
+    config.load("configs/quickstart.yaml", ["clustering.alpha=null", "clustering.draws=9"])  # no test, no draws
 
 
 def test_world_checks():

@@ -127,8 +127,8 @@ class CommunityMode:
             if self.candidate is None:
                 if rnd.index >= self.cfg.consensus.freeze_round:
                     k = self.cfg.consensus.k
-                    self.candidate = rnd.communities.labels.copy() if k is None else \
-                        clustering.cut_maxclust(rnd.communities.Z, k)
+                    self.candidate = rnd.communities.labels.copy() if k is None else clustering.cut_k(
+                        rnd.communities.Z, k, self._rows(rnd) if self.cfg.clustering.refine else None)
                     if self.probe is not None:
                         self.probe.labels = self.candidate
                     if self.mode == "communities":
@@ -142,6 +142,12 @@ class CommunityMode:
         if self.mode == "auto":
             info["verdict"] = self.verdict if weighed else None  # null: no evidence weighed at this round
         return info
+
+    def _rows(self, rnd: RoundResult) -> np.ndarray:
+        """The round's rows in the clustering's geometry (what its cuts are refined on)."""
+        cc = self.cfg.clustering
+        return clustering.geometry(rnd.signatures, cc.metric, rnd.communities.distances
+                                   if self.cfg.signature.kind == "cka" else None)
 
     def _weigh(self, rnd: RoundResult) -> None:
         """auto: every rank's evidence since the last round, allgathered; the same verdict everywhere."""

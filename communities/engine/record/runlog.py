@@ -121,6 +121,7 @@ class RunLog:
                 "p_cross": law.p_cross if law is not None and law.kind in ("flat", "frozen") else None,
                 "temperature": law.temperature if law is not None and law.kind == "hierarchical" else None,
                 "cut": cc.cut, "cut_height": com.cut_height, "linkage": cc.linkage, "metric": cc.metric,
+                "test": com.test.to_dict() if com.test is not None else None,
                 "dispersion": finite_or_none(rnd.dispersion),
                 "mean_update_norm": decision.update if decision is not None else None,
                 "relative_update": decision.relative_update if decision is not None else None, "ari": rnd.ari,

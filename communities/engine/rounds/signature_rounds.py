@@ -155,7 +155,8 @@ class SignatureRounds:
                                           max_k=min(cc.max_communities, n - 1),
                                           min_silhouette=cc.min_silhouette,
                                           min_separation=cc.min_separation, distances=pre,
-                                          fast=self.fast_distances)
+                                          fast=self.fast_distances, alpha=cc.alpha, draws=cc.draws, null=cc.null,
+                                          test_rows=cc.test_rows, refined=cc.refine, seed=cfg.seed, t=t)
         counted = np.isfinite(raw).all(axis=1) & ~outliers & self.world.alive
         disp = self.signature.dispersion(S, counted, pre) if counted.sum() >= 2 else float("nan")
         decided = np.frombuffer(digest(com.labels, com.Z, S, outliers, com.distances), dtype=np.uint8)

@@ -52,17 +52,19 @@ def _time_case(S, cfg, n: int, k: Optional[int], reps: int):
     import numpy as np
 
     from ...core import clustering
+    from ...core.significance import detect_communities
 
     cc = cfg.clustering
     t_unit = 1
-    times: Dict[str, List[float]] = {key: [] for key in ("pairwise", "linkage", "cut", "find_communities", "law",
-                                                         "draws")}
+    times: Dict[str, List[float]] = {key: [] for key in ("pairwise", "linkage", "test", "cut", "find_communities",
+                                                         "law", "draws")}
     for rep in range(reps + 1):  # the first is a warm-up
         strat = pairwise_strategy(cfg, n)
         t0 = time.perf_counter()
         com = clustering.find_communities(S, cc.linkage, cc.metric, cc.cut, k=k, threshold=cc.threshold,
                                           max_k=min(cc.max_communities, n - 1), min_silhouette=cc.min_silhouette,
-                                          min_separation=cc.min_separation)
+                                          min_separation=cc.min_separation, alpha=cc.alpha, draws=cc.draws,
+                                          null=cc.null, test_rows=cc.test_rows, refined=cc.refine, seed=0, t=t_unit)
         strat.observe(com, cast(Any, None), t_unit)  # no mixer: partner_policy law needs none
         t1 = time.perf_counter()
         strat.law(t_unit)
@@ -75,14 +77,20 @@ def _time_case(S, cfg, n: int, k: Optional[int], reps: int):
         p1 = time.perf_counter()
         Z = clustering.hierarchy.linkage(d, method=cc.linkage)
         p2 = time.perf_counter()
+        geo = clustering.geometry(S, cc.metric)
+        count = k
         if k is None:
-            clustering.cut_auto(Z, d, min(cc.max_communities, n - 1), cc.min_silhouette, cc.min_separation)
-        else:
-            clustering.cut_maxclust(Z, k)
+            count = detect_communities(geo, max_k=min(cc.max_communities, n - 1), alpha=cc.alpha, draws=cc.draws,
+                                       seed=0, t=t_unit, null=cc.null, max_rows=cc.test_rows).k
         p3 = time.perf_counter()
+        labels = clustering.cut_k(Z, int(count or 1), geo if cc.refine else None)
+        if k is None:
+            scale = float(np.sqrt(np.mean(np.sum(np.asarray(S, dtype=np.float64) ** 2, axis=1))))
+            clustering.merge_closer_than(labels, d, cc.min_separation * scale)
+        p4 = time.perf_counter()
         if rep == 0:
             continue
-        for key, dt in zip(times, (p1 - p0, p2 - p1, p3 - p2, t1 - t0, t2 - t1, t3 - t2)):
+        for key, dt in zip(times, (p1 - p0, p2 - p1, p3 - p2, p4 - p3, t1 - t0, t2 - t1, t3 - t2)):
             times[key].append(dt)
     return {key: median(v) for key, v in times.items()}, com, plan, d, Z
 
@@ -105,7 +113,7 @@ def _against_first_written(S, cfg, n: int, *, d, Z, reps: int, med: dict) -> Tup
             took.append(time.perf_counter() - q0)
         return out, median(took)
 
-    args = (min(cc.max_communities, n - 1), cc.min_silhouette, cc.min_separation)
+    args = (min(cc.max_communities, n - 1), 0.25, cc.min_separation)  # the silhouette cut as first written
     ref, ref_s = timed(lambda: cut_auto_sklearn(Z, d, *args))
     fast, fast_s = timed(lambda: clustering.cut_auto(Z, d, *args))
     ref_d, pdist_s = timed(lambda: clustering._pdist(clustering._rows(S, cc.metric), cc.metric))
@@ -139,13 +147,15 @@ def bench_clustering(args) -> int:
                 med, com, plan, d, Z = _time_case(S, cfg, n, k, args.reps)
                 total = med["find_communities"] + med["law"] + med["draws"]
                 r = {"n": n, "dim": args.dim, "cut": cut, "law": law, "communities": com.count,
-                     "exchanges": len(plan), **{f"{key}_s": v for key, v in med.items()}, "total_s": total}
+                     "p_value": com.test.p_value if com.test is not None else None, "exchanges": len(plan),
+                     **{f"{key}_s": v for key, v in med.items()}, "total_s": total}
                 ref_cell = "-"
                 if cut == "auto" and args.reference and law == args.laws[0]:
                     ref, ref_cell = _against_first_written(S, cfg, n, d=d, Z=Z, reps=args.reps, med=med)
                     r.update(ref)
                 results.append(r)
-                rows.append([n, cut, law, com.count, *[f"{med[key] * 1e3:.1f}" for key in med],
+                p_value = "-" if com.test is None else f"{com.test.p_value:.3f}"
+                rows.append([n, cut, law, com.count, p_value, *[f"{med[key] * 1e3:.1f}" for key in med],
                              f"{total * 1e3:.1f}", ref_cell])
                 print(f"  measured N={n} cut={cut} law={law}", file=sys.stderr, flush=True)
     _print_table(args, rows, machine)
@@ -154,23 +164,29 @@ def bench_clustering(args) -> int:
 
 
 def _print_table(args, rows: List[list], machine: str) -> None:
-    print(f"bench clustering: signatures N x d={args.dim} float32 with {args.groups} planted groups; engine defaults "
-          "(average linkage, cosine, auto: k=2..16, silhouette >= 0.25, separation >= 0.1); "
+    from ... import config
+
+    cc = config.from_dict({}).clustering
+    print(f"bench clustering: signatures N x d={args.dim} float32 with {args.groups} planted group(s); engine "
+          "defaults (ward linkage, cosine: Ward's tree of the unit rows, cuts refined by Lloyd steps; auto: the "
+          f"community test at level {cc.alpha} with {cc.draws} null draws, k <= 16, separation >= 0.1); "
           f"maxclust k={args.k}; median of {args.reps} repetitions after a warm-up; {machine}")
     print()
-    print(fmt_table(["N", "cut", "law", "communities", "pairwise ms", "linkage ms", "cut ms", "find_communities ms",
-                      "law ms", "draws ms", "total ms",
-                      "first written -> now, ms: pairwise (pdist -> Gram); auto cut (sklearn per k -> one pass)"], rows,
-                     align="lll" + "r" * 8 + "l"))
+    print(fmt_table(["N", "cut", "law", "communities", "p-value", "pairwise ms", "linkage ms", "test ms", "cut ms",
+                      "find_communities ms", "law ms", "draws ms", "total ms",
+                      "legacy cut, ms: pairwise (pdist -> Gram); silhouette cut (sklearn per k -> one pass)"], rows,
+                     align="lll" + "r" * 10 + "l"))
     print()
-    print("find_communities = pairwise (float64 Gram blocks, clustering._gram_distances) + linkage (scipy) + the cut, "
-          "each also timed alone; total = "
-          "find_communities + law + draws; law = "
+    print("find_communities = pairwise (float64 Gram blocks, clustering._gram_distances) + linkage (scipy) + test "
+          "(the community test, significance.detect_communities: PCA, Ward on the top components of the rows and of "
+          "each null draw) + cut (the tree's cut at the test's k, Lloyd refinement, separation floor), each also "
+          "timed alone; total = find_communities + law + draws; law = "
           "Strategy.law(t) (hierarchical: cophenetic heights); draws = Strategy.exchanges(t, all N ranks) "
           "(one partner draw per rank, as if every timer fired; in the engine about N/lambda ranks draw every "
           "unit). Last column: scipy pdist (as first written) against the Gram distances now, with their largest "
-          "relative difference; the auto cut with sklearn's silhouette_score per k (as first written) against "
-          "clustering.cut_auto now, on the same tree. Target: total < 1 s at N=4096.")
+          "relative difference; the best-silhouette cut (clustering.alpha=null, min_silhouette 0.25) with sklearn's "
+          "silhouette_score per k (as first written) against clustering.cut_auto now, on the same tree. "
+          "Target: total < 1 s at N=4096.")
 
 
 def add_parser(sub) -> None:

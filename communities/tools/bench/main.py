@@ -11,6 +11,8 @@ reader can judge them on their own machine.
 - ``signature``: count-sketch and Gaussian signature throughput against
   ``torch.sum`` over the same buffer, peak memory overhead, distance distortion.
 - ``clustering``: linkage + cut + partner law + partner draws for all ranks.
+- ``calibration``: the community test's false-positive rate on clouds without communities and its detection
+  rate on planted groups, simulated and on the saved first rounds of real runs.
 - ``partners``: one round's partner law and one unit's exchange list at N replicas
   (flat, hierarchical, least_recent), with the law's peak memory.
 - ``overhead``: real engine runs; the orchestration share of wall time, and with
@@ -30,11 +32,24 @@ import sys
 from typing import Any, List, Optional
 
 from ...parsers import Parser, hide_subcommands, plain_text
-from . import chaos, clustering, exchange, inspection, overhead, partners, privacy, scale, signature, vectorize
+from . import (
+    calibration,
+    chaos,
+    clustering,
+    exchange,
+    inspection,
+    overhead,
+    partners,
+    privacy,
+    scale,
+    signature,
+    vectorize,
+)
 
 # the benchmarks in the order ``communities bench --help`` lists them; each module adds its subcommands, and each
 # subcommand names its handler (``set_defaults(handler=...)``)
-BENCHMARKS = (exchange, signature, clustering, partners, overhead, inspection, vectorize, privacy, scale, chaos)
+BENCHMARKS = (exchange, signature, clustering, calibration, partners, overhead, inspection, vectorize, privacy, scale,
+              chaos)
 HIDDEN = ("_signature-one", "_profile-rank")  # what ranks and child processes run, not users
 
 
