@@ -783,8 +783,6 @@ class Config(_Section):
             return "merge.outer.enabled=true (an outer step on the merge)"
         if self.examples.pass_hard:
             return "examples.pass_hard=true (hard examples)"
-        if self.pbt.enabled:
-            return "pbt.enabled=true (scores and hyperparameters)"
         return None
 
     @model_validator(mode="after")

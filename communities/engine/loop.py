@@ -80,7 +80,7 @@ class Engine:
         local_rank = world.local_rank if cfg.device != "cpu" else 0  # a collective: before on_every_rank
         device = on_every_rank(world, lambda: select_device(cfg.device, local_rank))
         self.timer = Timer()
-        self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
+        self.faults = make_faults(cfg.faults, cfg.seed, world.rank, block=world.process_block)
         self.agreement = RunningDigest()
         # train.group_size > 1: the algorithm's parts see the groups (a group's lead speaks for it across groups);
         # the replica's own (data, training, rows, checkpoints) keep the replica's world
@@ -117,7 +117,7 @@ class Engine:
                                          rewind=self._rewind, log_lost=self._log_lost, take_over=self._take_over)
             if cfg.protocol == "async":  # nothing rolled back: the survivors settle and go on (async_survival.py)
                 self.survival = AsyncSurvival(world, rolled, mixer=self.mixer, logged_t=lambda: self.logged_t,
-                                              run_dir=self.run_dir, **hooks)
+                                              run_dir=self.run_dir, drop_rows=self.log.drop_after, **hooks)
                 self.log.seen = {}  # a final gather cut by a loss is gathered again: its rows are written once
             else:
                 self.survival = survival.Survival(world, rolled, **hooks)
@@ -201,7 +201,10 @@ class Engine:
         self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss,
                              self.replica.epsilon if self.replica.dp is not None else None)
-        if decision is not None and decision.stop:  # identical on every rank (virtual clock): a stop signal is moot
+        stop = decision is not None and decision.stop  # identical on every rank (virtual clock): a signal is moot
+        if self.cfg.protocol == "async" and self.rounds.due(t):  # a population's replicas stop together: once
+            stop = self.world.together(("settled", t), stop, lambda views: [all(views)] * len(views))  # all settled
+        if stop:
             return True
         # A write that failed on rank 0 (a full disk) stops every rank like a signal, then raises there.
         signal = stopflag.requested() or self.run_dir.stop_file_present() or self.run_dir.failure is not None

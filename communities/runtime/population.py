@@ -37,6 +37,7 @@ import torch
 from ..core.groups import GroupLayout
 from ..core.placement import Placement, tree_sum
 from ..errors import ConfigError, Disagreement
+from .hub_async import AsyncCalls, HubMail, Lost, Pause, control_tag_base, sleep_for
 from .hub_groups import GroupCalls, GroupOp, HubGroup, color_means
 from .logical import LogicalRanks
 from .membership import Membership
@@ -62,19 +63,28 @@ def refusal(cfg, processes: int) -> Optional[str]:
             return problem
     why = []
     if cfg.protocol == "async":
-        why.append("protocol=async (its replicas serve each other between batches: one replica per process)")
+        why += async_refusals(cfg)
     if cfg.device not in ("cpu",):
         why.append(f"device={cfg.device!r} (replicas in one process run on the CPU for now)")
-    if cfg.faults.speed:
-        why.append("faults.speed (it acts on a process)")
     if cfg.faults.kill and cfg.comm.fault_tolerance != "shrink":
         why.append("faults.kill without comm.fault_tolerance=shrink (it kills a process)")
-    if cfg.faults.stall_rank is not None:
-        why.append("faults.stall_rank (it stalls a process)")
     if not why:
         return None
     return (f"world_size={n} replicas on {processes} MPI processes ({n // processes} per process) does not "
             f"support {'; '.join(why)}: start {n} processes, one replica each")
+
+
+def async_refusals(cfg) -> List[str]:
+    """What ``protocol: async`` cannot do with several replicas per process, by key: a pair across processes is
+    a posted exchange (``engine/mixing/async_population.py``), which carries the weights, a header (pbt's values
+    included) and signature rows only."""
+    mc = cfg.merge
+    named = [("merge.optimizer_state=average (the optimizer moments)", mc.optimizer_state == "average"),
+             ("merge.partner_policy=least_recent (the seen-at table)", mc.partner_policy == "least_recent"),
+             ("merge.outer.enabled (an outer step on the merge)", mc.outer.enabled),
+             ("examples.pass_hard (hard examples)", cfg.examples.pass_hard)]
+    return [f"protocol=async with {what}: a pair across processes is a posted exchange, which carries the weights, "
+            "a header and signature rows only" for what, on in named if on]
 
 
 # ---------------------------------------------------------------- what a replica waits on
@@ -111,7 +121,7 @@ class Hub:
         self.block = self.placement.block(world.rank)
         self.block_set = frozenset(self.block)
         b = self.placement.per_process
-        if b * b * TAG_KINDS > world.tag_limit:
+        if control_tag_base(b) + b > world.tag_limit:
             raise ConfigError(f"world_size={replicas} on {world.size} processes puts {b} replicas in each, more "
                               f"than this MPI's tags can name pairwise (MPI_TAG_UB {world.tag_limit}): start more "
                               f"processes")
@@ -126,6 +136,9 @@ class Hub:
         self.groups: Optional[GroupCalls] = None  # train.group_size > 1: the calls inside groups (hub_groups.py)
         self._worlds: Dict[int, "ReplicaWorld"] = {}
         self.membership = Membership(replicas)  # the replicas alive: a lost process takes its block with it
+        self.mail = HubMail(self)
+        self.flags: set = set()  # protocol async: control messages, barriers (hub_async.py)
+        self._paused: Dict[int, float] = {}  # protocol async: replicas that poll, and for how long they pause
         self.epoch = 0  # recoveries so far (``shared`` keys: the exchange list of unit t depends on who is alive)
 
     # ------------------------------------------------------------ the schedule
@@ -170,6 +183,10 @@ class Hub:
             return
         if len(self._collective) + len(results) == len(self.block) and self._collective:
             ready.extend(self._run_collective(results))
+        elif self._paused:  # (protocol async) nobody can go on but by polling: let them poll again
+            sleep_for(self._paused)
+            ready.extend((r, None) for r in sorted(self._paused))
+            self._paused = {}
         elif self._network:
             ready.extend(self._wait_network())
         else:
@@ -183,8 +200,11 @@ class Hub:
                 q.Free()
             except Exception:  # a request of the revoked communicator: gone with it either way
                 pass
-        self._p2p, self._network, self._collective = {}, {}, {}
+        self._p2p, self._network, self._collective, self._paused = {}, {}, {}, {}
         self.groups = self.groups and self.groups.cleared()
+        self.mail.clear()
+        for w in self._worlds.values():
+            w.drop_posts()
         return deque((r, _Throw(exc)) for r in self.block if r not in results)
 
     def _resume(self, r: int, value: Any) -> Any:
@@ -204,6 +224,7 @@ class Hub:
         parts = [f"replica {r} in {c.what}" for r, c in sorted(self._collective.items())]
         parts += [f"replica {r} in a Sendrecv with replica {x.peer}" for r, x in sorted(self._p2p.items())]
         parts += self.groups.describe() if self.groups is not None else []
+        parts += [f"replica {r} polling" for r in sorted(self._paused)] + self.mail.describe()
         parts += [f"replica {r} finished" for r in sorted(results)]
         return "; ".join(parts)
 
@@ -213,6 +234,11 @@ class Hub:
         if isinstance(op, Collective):
             self._collective[r] = op
             return []
+        if isinstance(op, Pause):
+            self._paused[r] = op.seconds
+            return []
+        if isinstance(op, Lost):
+            raise op.exc
         if isinstance(op, GroupOp):
             assert self.groups is not None  # (set up by ``intra_group``, a collective before any group call)
             return self.groups.post(r, op)
@@ -425,7 +451,7 @@ class _Done:
         return True
 
 
-class ReplicaWorld(LogicalRanks):
+class ReplicaWorld(AsyncCalls, LogicalRanks):
     """One replica's view of the job: ``World``'s calls, over N logical replicas, completed by the ``Hub``."""
 
     shrinks = False
@@ -438,6 +464,7 @@ class ReplicaWorld(LogicalRanks):
         self.watchdog = _QuietWatchdog()
         self.processes = hub.placement.processes
         self.process = hub.world.rank
+        self._posted = []  # protocol async: this replica's control messages in flight (hub_async.py)
 
     # ------------------------------------------------------------ who
 
@@ -491,10 +518,14 @@ class ReplicaWorld(LogicalRanks):
         raise ConfigError(f"this run directory was left by the survivors of a lost rank ({len(members)} of {size} "
                           "replicas); resume it with one process per surviving replica")
 
-    def _unsupported(self, *args, **kwargs):
-        raise ConfigError("protocol=async runs one replica per MPI process")
+    @property
+    def process_block(self) -> List[int]:
+        return list(self.hub.block)
 
-    post_ints = poll_ints = recv_ints = complete_posts = ibarrier = _unsupported
+    @property
+    def flags(self) -> set:
+        """What the replicas of this process have heard, shared by all of them (protocol async: a stop)."""
+        return self.hub.flags
 
     # ------------------------------------------------------------ collectives (counted as World counts them)
 

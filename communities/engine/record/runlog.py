@@ -85,6 +85,13 @@ class RunLog:
         if self.hyper_names:
             self.hyper_rows.append(np.asarray(hyper, dtype=np.float64).reshape(len(self.hyper_names)))
 
+    def drop_after(self, t: int) -> None:
+        """Forget the buffered rows of units after t (async, after a loss: those units are trained again)."""
+        keep = [k for k, row in enumerate(self.metric_rows) if row.t <= t]
+        self.metric_rows = [self.metric_rows[k] for k in keep]
+        if self.hyper_rows:
+            self.hyper_rows = [self.hyper_rows[k] for k in keep]
+
     def merges(self, rows: List[MergeRow]) -> List[MergeRow]:
         if self.logs_merges:
             self.merge_rows.extend(rows)
