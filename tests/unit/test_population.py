@@ -183,21 +183,38 @@ def test_what_a_population_refuses_is_named_before_training():
     assert population.refusal(_cfg(), 8) is None and population.refusal(_cfg(), 2) is None
     assert population.refusal(_cfg(world_size=None), 2) is None
     assert "world_size=8 replicas cannot be split evenly over 3 MPI processes" in population.refusal(_cfg(), 3)
-    assert "protocol=async" in population.refusal(_cfg(protocol="async"), 2)
     # a lost process is the loss of its block of replicas (comm.fault_tolerance shrink; tests/mpi under ULFM)
     assert population.refusal(_cfg(comm=types.SimpleNamespace(fault_tolerance="shrink")), 4) is None
     kill = types.SimpleNamespace(kill={3: 5}, speed={}, stall_rank=None)
     refused = population.refusal(_cfg(faults=kill), 2)
     assert "faults.kill without comm.fault_tolerance=shrink" in refused and "start 8 processes" in refused
     assert population.refusal(_cfg(faults=kill, comm=types.SimpleNamespace(fault_tolerance="shrink")), 2) is None
-    assert "faults.speed" in population.refusal(_cfg(faults=types.SimpleNamespace(kill={}, speed={1: 2.0},
-                                                                                  stall_rank=None)), 2)
+    # a slow or stalled process is a fault of a process (its block of replicas): tests/unit/test_async_population.py
+    assert population.refusal(_cfg(faults=types.SimpleNamespace(kill={}, speed={1: 2.0}, stall_rank=1)), 2) is None
 
 
-def test_a_replica_world_refuses_the_async_calls(world):
+def test_replicas_post_and_poll_control_messages_and_share_a_barrier(world):
+    """protocol async in one process: a control message lands in the peer's mailbox, in order, with its source;
+    the process's barrier completes once every replica posted it; a replica that polls lets the others run."""
     def replica(w):
-        with pytest.raises(ConfigError, match="protocol=async"):
-            w.post_ints(np.zeros(1), 0, 1)
-        return True
+        peer = w.rank ^ 1
+        for k in range(3):
+            w.post_ints(np.array([w.rank, k], dtype=np.int64), peer, Tag.CONTROL)
+        barrier = w.ibarrier()
+        got = []
+        while len(got) < 3:
+            msg = w.poll_ints(Tag.CONTROL, 2)
+            if msg is None:
+                w.pause(1e-4)
+                continue
+            got.append((msg[0], msg[1].tolist()))
+        while not barrier.Test():
+            w.pause(1e-4)
+        w.complete_posts()
+        with pytest.raises(ValueError, match="control messages only"):
+            w.post_ints(np.zeros(1), peer, Tag.HEADER)
+        return got
 
-    assert run(world, 2, replica) == [True, True]
+    out = run(world, 4, replica)
+    for r, got in enumerate(out):
+        assert got == [(r ^ 1, [r ^ 1, k]) for k in range(3)]
