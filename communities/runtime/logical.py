@@ -83,6 +83,8 @@ class LogicalRanks(Traffic):
             got = self.__dict__["_flags"] = set()
         return got
 
+    process_idle = 0.0  # a population's process: seconds its hub waited on other processes (population.Hub)
+
     def pause(self, seconds: float) -> None:
         """Wait while polling (protocol async): sleep (a population's replica lets the others run instead)."""
         time.sleep(seconds)

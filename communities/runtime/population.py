@@ -27,6 +27,7 @@ clustering, the dataset) is computed once: ``shared``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
@@ -139,6 +140,7 @@ class Hub:
         self.mail = HubMail(self)
         self.flags: set = set()  # protocol async: control messages, barriers (hub_async.py)
         self._paused: Dict[int, float] = {}  # protocol async: replicas that poll, and for how long they pause
+        self.idle_s = 0.0  # seconds no replica could run: waiting on other processes (the process's idle time)
         self.epoch = 0  # recoveries so far (``shared`` keys: the exchange list of unit t depends on who is alive)
 
     # ------------------------------------------------------------ the schedule
@@ -181,8 +183,12 @@ class Hub:
                 ready.extend(self._post(r, out))
         if len(results) == len(self.block):
             return
+        start = time.perf_counter()
         if len(self._collective) + len(results) == len(self.block) and self._collective:
+            local = {op.name for op in self._collective.values()} <= {"together", "groups", "local_rank"}
             ready.extend(self._run_collective(results))
+            if local:
+                return  # (work done in the process, not a wait)
         elif self._paused:  # (protocol async) nobody can go on but by polling: let them poll again
             sleep_for(self._paused)
             ready.extend((r, None) for r in sorted(self._paused))
@@ -192,6 +198,7 @@ class Hub:
         else:
             raise RuntimeError(f"replicas of process {self.world.rank} wait on each other: "
                                f"{self._describe(results)}")
+        self.idle_s += time.perf_counter() - start
 
     def _lost(self, exc: RankLost, results: Dict[int, Any]) -> Deque[Tuple[int, Any]]:
         """A peer process was lost: what each replica waited on is void; each gets the ``RankLost`` to recover."""
@@ -517,6 +524,10 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
     def set_membership(self, members: List[int], size: int) -> None:
         raise ConfigError(f"this run directory was left by the survivors of a lost rank ({len(members)} of {size} "
                           "replicas); resume it with one process per surviving replica")
+
+    @property
+    def process_idle(self) -> float:  # type: ignore[override]
+        return self.hub.idle_s
 
     @property
     def process_block(self) -> List[int]:

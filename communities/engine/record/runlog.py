@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
-                "bytes_in_process", "test_loss", "bytes_in_group") + TIME_CATEGORIES
+                "bytes_in_process", "test_loss", "bytes_in_group", "process_idle") + TIME_CATEGORIES
 LOG_FILES = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl", "views.jsonl")
 DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_epsilon")  # privacy.enabled
 
@@ -250,7 +250,7 @@ class RunLog:
         mine = {"test_acc": test_acc, "test_loss": test_loss, "distance": distance, "bytes_sent": w.bytes_sent,
                 "wall": self.timer.elapsed(), "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data,
                 "units": run["units"], "bytes_in_process": w.bytes_in_process, "bytes_in_group": w.bytes_in_group,
-                **self.timer.split()}
+                "process_idle": w.process_idle, **self.timer.split()}
         mine.update({f: (dp or {}).get(f, float("nan")) for f in DP_FIELDS})
         row = np.array([[mine[f] for f in FINAL_FIELDS + DP_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
@@ -484,7 +484,11 @@ def placement_summary(processes: int, replicas: int, g: Dict[str, np.ndarray]) -
     per = replicas // processes
     train = g["train"].reshape(-1, per).sum(axis=1)  # (a lost process took its whole block: the survivors')
     wall = g["wall"].reshape(-1, per).max(axis=1)
+    # a replica's clock runs on while the others take their turns: the process's idle time is the hub's own (it
+    # waited on other processes: polling, MPI waits and collectives)
+    idle = g["process_idle"].reshape(-1, per).max(axis=1)
     return {"processes": processes, "replicas_per_process": per,
             "bytes_network_mean": float((g["bytes_sent"] - g["bytes_in_process"]).mean()),
             "bytes_in_process_mean": float(g["bytes_in_process"].mean()),
-            "train_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(train, wall)]}
+            "train_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(train, wall)],
+            "idle_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(idle, wall)]}
