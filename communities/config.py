@@ -952,8 +952,6 @@ class Config(_Section):
             why = {"allreduce": "strategy='allreduce' (every replica already averages gradients at every step)",
                    "ifca": "strategy='ifca' (each replica picks a model by its own shard's loss)",
                    "oracle": "strategy='oracle' (each replica trains its planted group's model)"}[self.strategy]
-        elif self.protocol == "async":
-            why = "protocol='async' (not built yet for groups: use the virtual clock)"
         elif self.comm.fault_tolerance == "shrink":
             why = "comm.fault_tolerance='shrink' (not built yet for groups: use abort and --resume)"
         elif self.examples.track or self.examples.pass_hard:

@@ -203,7 +203,8 @@ class Engine:
                              self.replica.epsilon if self.replica.dp is not None else None)
         stop = decision is not None and decision.stop  # identical on every rank (virtual clock): a signal is moot
         if self.cfg.protocol == "async" and self.rounds.due(t):  # a population's replicas stop together: once
-            stop = self.world.together(("settled", t), stop, lambda views: [all(views)] * len(views))  # all settled
+            member = self.groups is not None and not self.groups.leads_group  # (a group's view is its lead's)
+            stop = self.world.together(("settled", t), None if member else stop, _all_settled)
         if stop:
             return True
         # A write that failed on rank 0 (a full disk) stops every rank like a signal, then raises there.
@@ -333,6 +334,12 @@ class Engine:
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary
+
+
+def _all_settled(views: List[Optional[bool]]) -> List[bool]:
+    """Whether every view of a process has settled (a group member's, None, is its lead's)."""
+    told = [v for v in views if v is not None]
+    return [bool(told) and all(told)] * len(views)
 
 
 def select_device(device: str, local_rank: int) -> torch.device:

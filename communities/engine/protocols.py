@@ -14,6 +14,9 @@ from typing import NamedTuple
 from ..config import Config
 from ..core.protocol import RunningDigest
 from ..runtime.comm import World
+from ..runtime.group_async import LeadView
+from ..runtime.groups import GroupWorld
+from .mixing.async_groups import GroupFollowerMixer, GroupLeadMixer
 from .mixing.async_mixer import AsyncMixer
 from .mixing.async_population import PopulationMixer
 from .mixing.async_posted import PostedMixer
@@ -37,10 +40,13 @@ def build(cfg: Config, world: World, timer: Timer, replica: Replica, agreement: 
     if cfg.protocol == "async":
         gossip = GossipRounds(cfg, world, timer, replica=replica, agreement=agreement)
         consensus = AsyncConsensus(cfg, world, timer, replica=replica)
-        kind = PostedMixer if cfg.comm.exchange == "posted" else AsyncMixer
+        kind: type = PostedMixer if cfg.comm.exchange == "posted" else AsyncMixer
+        view: object = world
         if world.processes < world.size:  # a population: pairs in a process merge in memory, across are posted
             kind = PopulationMixer
-        mixer = kind(cfg, world, timer, replica=replica, agreement=agreement, table=gossip.table,
+        if isinstance(world, GroupWorld):  # data-parallel groups: the lead mixes for its group, members follow
+            kind, view = (GroupLeadMixer, LeadView(world)) if world.leads_group else (GroupFollowerMixer, world)
+        mixer = kind(cfg, view, timer, replica=replica, agreement=agreement, table=gossip.table,
                      snapshots=consensus.snapshots)
         return Parts(gossip, mixer, consensus, collective_log=False)
     rounds = SignatureRounds(cfg, world, timer, replica=replica, agreement=agreement)

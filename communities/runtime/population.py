@@ -51,13 +51,17 @@ TAG_KINDS = 16  # message kinds (``p2p.Tag``) below this: a network tag is (src,
 def refusal(cfg, processes: int) -> Optional[str]:
     """Why ``cfg`` cannot run with several replicas per process, naming the key (None: it can)."""
     n = cfg.world_size
+    G = cfg.train.group_size
+    if cfg.protocol == "async" and G > 1 and (n is None or n == processes or (n // processes) % G):
+        return (f"train.group_size={G} with protocol=async: a group trains at its own pace as one process's "
+                f"replicas do, so it must lie inside one process (world_size a multiple of the processes, and "
+                f"group_size dividing the replicas per process; here {processes} processes for world_size={n})")
     if n is None or n == processes:
         return None
     try:
         Placement(n, processes)
     except ValueError as exc:  # P does not divide N: the message names both
         return str(exc)
-    G = cfg.train.group_size
     if G > 1 and n % G == 0:
         problem = GroupLayout(n, G).placement_problem(processes)
         if problem is not None:
@@ -532,6 +536,12 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
     @property
     def process_block(self) -> List[int]:
         return list(self.hub.block)
+
+    def process_heads(self) -> List[int]:
+        """The first replica alive of every other process (each hears a stop for its whole process)."""
+        alive, place = self.alive, self.hub.placement
+        firsts = [next((r for r in place.block(p) if alive[r]), None) for p in range(place.processes)]
+        return [r for r in firsts if r is not None and r not in self.hub.block_set]
 
     @property
     def flags(self) -> set:

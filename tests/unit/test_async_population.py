@@ -182,6 +182,14 @@ def _cfg(**kw):
     return types.SimpleNamespace(**base)
 
 
+def test_groups_under_async_must_lie_inside_a_process():
+    groups = types.SimpleNamespace(group_size=2)
+    assert population.refusal(_cfg(train=groups), 2) is None  # 4 replicas a process: 2 groups in each
+    for processes in (8, 4):  # a replica per process; a group of 2 over blocks of 2 is fine, of 4 over 2 is not
+        why = population.refusal(_cfg(train=types.SimpleNamespace(group_size=4 if processes == 4 else 2)), processes)
+        assert why is not None and "train.group_size" in why and "protocol=async" in why and "inside one process" in why
+
+
 def test_async_populations_run_and_slow_or_stalled_processes_are_faults_of_a_process():
     assert population.refusal(_cfg(), 2) is None
     slow = types.SimpleNamespace(kill={}, speed={0: 3.0}, stall_rank=5)

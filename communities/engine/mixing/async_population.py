@@ -73,6 +73,10 @@ class PopulationMixer(PostedMixer):
             if self.rank in (i, j):
                 partner = j if i == self.rank else i
                 self._run_exchange(Exchange(partner, i, -(t + 1), partner_unit=t, flags=f))
+        self._after_step()
+
+    def _after_step(self) -> None:
+        """After the unit's mixing (a group's lead: its members take what it merged, ``async_groups.py``)."""
 
     def _ask(self, t: int) -> None:
         """A retry after BUSY: partners in other processes only (a pair inside the process merges at the unit's
@@ -104,11 +108,8 @@ class PopulationMixer(PostedMixer):
         self._stop_sent = True
 
         def send() -> bool:
-            alive, placement = self.world.alive, self.world.placement  # type: ignore[attr-defined]
-            for p in range(placement.processes):
-                block = [r for r in placement.block(p) if alive[r]]
-                if block and not self.local[block[0]]:
-                    self._post(Message(Kind.STOP, int(block[0]), 0, t))
+            for head in self.world.process_heads():  # type: ignore[attr-defined]
+                self._post(Message(Kind.STOP, int(head), 0, t))
             return True
         self.world.shared(("stop sent",), send)  # (after a loss: again, once, on the new communicator)
 

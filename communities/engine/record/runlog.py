@@ -261,7 +261,8 @@ class RunLog:
         hyper_rows = w.gather_rows(np.asarray(hyper, dtype=np.float64).reshape(1, -1)) if self.hyper_names else None
         view_rows = None
         if views is not None:  # rows of (round, t, wall, N labels)
-            view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + w.size))
+            ranks = w.size // self.cfg.train.group_size  # (a view labels the groups)
+            view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + ranks))
         if self.writer is None or gathered is None:  # not rank 0
             return None
         g = dict(zip(FINAL_FIELDS + DP_FIELDS, np.concatenate(gathered).T))  # one column per field, one entry per rank
