@@ -81,12 +81,13 @@ def test_the_config_refuses_groups_where_they_cannot_work_naming_the_key():
     with pytest.raises(ConfigError, match=r"train.group_size=3 must divide world_size=8"):
         _cfg(world_size=8, train__group_size=3)
     for key, value, named in (("strategy", "allreduce", "strategy='allreduce'"),
-                              ("protocol", "async", "protocol='async'"),
                               ("examples__track", True, "examples.track"),
                               ("faults__hostile_rank", 1, "faults.hostile_rank"),
                               ("comm__fault_tolerance", "shrink", "comm.fault_tolerance='shrink'")):
         with pytest.raises(ConfigError, match=r"train.group_size=2 is refused with " + named.replace(".", r"\.")):
             _cfg(**{"train__group_size": 2, "strategy": "community", key: value})
+    # protocol async: a group must lie inside a process, which the placement decides (population.refusal)
+    assert _cfg(train__group_size=2, strategy="community", protocol="async").protocol == "async"
     cfg = _cfg(train__group_size=2, strategy="community")
     with pytest.raises(ConfigError, match="leaves 1 group"):
         cfg.check_world(2)

@@ -126,8 +126,8 @@ class Survival(NoSurvival):
         """A recovery's records (who was lost, who adopted what, its timing); the lead puts the run directory
         back in order (``_tidy``), writes the lost rows and says what happened."""
         world = self.world
-        for rank in lost:
-            self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
+        for k, rank in enumerate(lost):
+            self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank, k, len(lost))})
         recovered = time.time()
         self.recoveries.append({"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
                                 "writer": int(world.lead), "detected_wall": detected, "recovered_wall": recovered,
@@ -162,12 +162,15 @@ class Survival(NoSurvival):
                              f"not take it over ({problem}): the survivors stop (resume from the last checkpoint "
                              "with --resume)")
 
-    def _adopt(self, rank: int) -> Optional[int]:
-        """comm.lost_shard adopt: the next rank alive after ``rank`` adds its shard (and what it had adopted)."""
+    def _adopt(self, rank: int, k: int = 0, count: int = 1) -> Optional[int]:
+        """comm.lost_shard adopt: the next rank alive after ``rank`` adds its shard (and what it had adopted). In a
+        population a lost process takes a block: its ``count`` replicas (``rank`` the k-th) go to survivors spread
+        over the whole world, so that no process's stacked unit grows by a whole block of shards."""
         if self.policy != "adopt":
             return None
         alive = np.flatnonzero(self.world.alive)
-        heir = int(alive[np.searchsorted(alive, rank) % len(alive)])
+        stride = max(1, len(alive) // max(count, 1)) if self.world.processes < self.world.size else 0
+        heir = int(alive[(np.searchsorted(alive, rank) + k * stride) % len(alive)])
         if heir == self.world.rank:
             held = [rank] + [e["rank"] for e in self.lost if e.get("adopted_by") == rank]
             self.replica.adopt(held)
