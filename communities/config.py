@@ -952,8 +952,6 @@ class Config(_Section):
             why = {"allreduce": "strategy='allreduce' (every replica already averages gradients at every step)",
                    "ifca": "strategy='ifca' (each replica picks a model by its own shard's loss)",
                    "oracle": "strategy='oracle' (each replica trains its planted group's model)"}[self.strategy]
-        elif self.comm.fault_tolerance == "shrink":
-            why = "comm.fault_tolerance='shrink' (not built yet for groups: use abort and --resume)"
         elif self.examples.track or self.examples.pass_hard:
             why = "examples.track / examples.pass_hard (the example table is one replica's shard)"
         else:
@@ -961,7 +959,8 @@ class Config(_Section):
             named = [k for k, on in (("faults.nan_rank", f.nan_rank is not None),
                                      ("faults.hostile_rank", f.hostile_rank is not None),
                                      ("faults.stall_rank", f.stall_rank is not None), ("faults.speed", bool(f.speed)),
-                                     ("faults.kill", bool(f.kill)), ("faults.jitter", f.jitter > 0),
+                                     ("faults.kill", bool(f.kill) and self.comm.fault_tolerance != "shrink"),
+                                     ("faults.jitter", f.jitter > 0),
                                      ("faults.slow_max", f.slow_max > 0)) if on]
             if named:
                 why = f"{named[0]} (it acts on one replica, which its group would have to follow)"

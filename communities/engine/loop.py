@@ -114,7 +114,8 @@ class Engine:
         if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
             rolled = {k: v for k, v in parts.items() if k not in ("timer", "traffic")}
             hooks: Dict[str, Any] = dict(replica=self.replica, lost_shard=cfg.comm.lost_shard,
-                                         rewind=self._rewind, log_lost=self._log_lost, take_over=self._take_over)
+                                         rewind=self._rewind, log_lost=self._log_lost, take_over=self._take_over,
+                                         on_shrink=self._regroup)
             if cfg.protocol == "async":  # nothing rolled back: the survivors settle and go on (async_survival.py)
                 self.survival = AsyncSurvival(world, rolled, mixer=self.mixer, logged_t=lambda: self.logged_t,
                                               run_dir=self.run_dir, drop_rows=self.log.drop_after, **hooks)
@@ -284,6 +285,21 @@ class Engine:
         self.run_dir.rewind(t, lost=lost)
         if self._heir:
             self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
+
+    def _regroup(self, stage: str) -> None:
+        """Around a shrink, with data-parallel groups: before it, the group's own communicator is revoked too (a
+        member blocked in the group's average with this one returns and recovers); after it, a lost member leaves
+        its group, which goes on (its average over the members alive, a new lead if its lead was lost); a group
+        with no member alive is lost."""
+        if self.groups is None:
+            return
+        if stage == "before":
+            self.groups.revoke()
+            return
+        self.groups.refresh()
+        assert self.replica.group is not None
+        self.replica.group.refresh()
+        self.log.logs_merges = self.groups.leads_group
 
     def _log_lost(self, records: List[dict]) -> None:
         """The lead: the ranks lost, as ``merges.jsonl`` rows (event ``lost``), written at once."""

@@ -63,9 +63,15 @@ def refusal(cfg, processes: int) -> Optional[str]:
     except ValueError as exc:  # P does not divide N: the message names both
         return str(exc)
     if G > 1 and n % G == 0:
-        problem = GroupLayout(n, G).placement_problem(processes)
+        layout = GroupLayout(n, G)
+        problem = layout.placement_problem(processes)
         if problem is not None:
             return problem
+        if cfg.comm.fault_tolerance == "shrink" and layout.spans_processes(processes):
+            return (f"train.group_size={G} spanning processes ({n // processes} replicas each) with "
+                    "comm.fault_tolerance=shrink: a group that loses a process would need its stacked average "
+                    "rebuilt on fewer rows; use groups inside a process (group_size dividing the replicas per "
+                    "process), or one replica per process")
     why = []
     if cfg.protocol == "async":
         why += async_refusals(cfg)

@@ -161,7 +161,8 @@ def test_where_the_writer_dies_does_not_change_the_result(runs):
 def test_a_population_loses_a_process_and_with_it_its_block_of_replicas(runs):
     """8 replicas on 4 processes. Replica 1 SIGKILLs its process, so replicas 0 and 1 are lost together, by the
     same recovery as a lost rank; replica 0 was the writer, so replica 2's process takes the run directory over;
-    the two shards are adopted by replicas 2 and 5, and the 6 survivors reach a consensus within a point of a clean run."""
+    the two shards are adopted by replicas 2 and 5, and the 6 survivors reach a consensus within a point of a clean
+    run."""
     root, procs = runs
     run = root / "population"
     assert KILLED.search(procs["population"].stderr).group(1) == "1"

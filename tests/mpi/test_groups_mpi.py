@@ -118,3 +118,46 @@ def test_bytes_inside_and_between_groups_are_counted_apart(runs):
                                                                                     "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "data-parallel group of 2 replicas" in res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- comm.fault_tolerance shrink (ULFM)
+
+SHRINK = ["comm.fault_tolerance=shrink", "comm.timeout=120", "train.budget=40"]
+
+
+@pytest.mark.timeout(1800)
+def test_a_lost_member_leaves_its_group_and_the_group_goes_on(tmp_path, tiny_config):
+    """ULFM, one replica per process: replica 0, lead of group 0 and the writer, is killed; replica 1 leads group 0
+    alone (its average over the members alive, the group's communicator rebuilt), takes the run directory over,
+    and lr 0 gossip still ends at the mean of the two groups' initial weights: group 0 lost a member, not its
+    weights."""
+    from tests.helpers.openmpi import run_engine_ompi
+
+    run_engine_ompi(4, tiny_config, tmp_path, *G2, *LR0, *SHRINK, "faults.kill={0: 12}", ulfm=True, timeout=900,
+                    check=False)
+    run = tmp_path / "tiny"
+    s = json.loads((run / "summary.json").read_text())
+    assert [e["rank"] for e in s["membership"]["lost"]] == [0] and s["membership"]["survivors"] == [1, 2, 3]
+    inits = initial_weights(tiny_config, 4)
+    final = consensus_weights(tiny_config, run)
+    assert torch.allclose(final, (inits[0] + inits[2]) / 2, atol=1e-5), float((final - inits[0]).abs().max())
+    merges = [json.loads(line) for line in (run / "merges.jsonl").read_text().splitlines()]
+    assert any(m["event"] == "merge" and m["i"] == 0 and m["t"] > 12 for m in merges)  # group 0 merges on
+
+
+@pytest.mark.timeout(1800)
+def test_under_async_a_group_that_loses_every_member_is_lost_as_a_rank(tmp_path, tiny_config):
+    """ULFM, protocol async, 8 replicas in groups of 2 on 4 processes (a group per process): replica 2's process
+    dies after its first unit, so group 1 is lost whole; the other groups settle and go on, and lr 0 gossip ends
+    at the mean of their initial weights."""
+    from tests.helpers.openmpi import run_engine_ompi
+
+    run_engine_ompi(4, tiny_config, tmp_path, "train.group_size=2", "world_size=8", *LR0, *SHRINK,
+                    "protocol=async", "faults.kill={2: 1}", ulfm=True, timeout=900, check=False)
+    run = tmp_path / "tiny"
+    s = json.loads((run / "summary.json").read_text())
+    assert [e["rank"] for e in s["membership"]["lost"]] == [2, 3]
+    inits = initial_weights(tiny_config, 8)
+    final = consensus_weights(tiny_config, run)
+    want = torch.stack([inits[0], inits[4], inits[6]]).mean(0)
+    assert torch.allclose(final, want, atol=1e-5), float((final - want).abs().max())

@@ -82,8 +82,7 @@ def test_the_config_refuses_groups_where_they_cannot_work_naming_the_key():
         _cfg(world_size=8, train__group_size=3)
     for key, value, named in (("strategy", "allreduce", "strategy='allreduce'"),
                               ("examples__track", True, "examples.track"),
-                              ("faults__hostile_rank", 1, "faults.hostile_rank"),
-                              ("comm__fault_tolerance", "shrink", "comm.fault_tolerance='shrink'")):
+                              ("faults__hostile_rank", 1, "faults.hostile_rank")):
         with pytest.raises(ConfigError, match=r"train.group_size=2 is refused with " + named.replace(".", r"\.")):
             _cfg(**{"train__group_size": 2, "strategy": "community", key: value})
     # protocol async: a group must lie inside a process, which the placement decides (population.refusal)
@@ -98,6 +97,16 @@ def test_a_population_refuses_groups_that_straddle_its_blocks():
     why = population.refusal(_cfg(world_size=24, train__group_size=4), 4)
     assert why is not None and "train.group_size=4" in why
     assert population.refusal(_cfg(world_size=24, train__group_size=3), 4) is None
+
+
+def test_a_lost_member_leaves_its_group_except_where_groups_span_processes():
+    """comm.fault_tolerance shrink with groups: a group inside a process, or one replica per process, goes on
+    without a lost member (tests/mpi/test_groups_mpi.py); a group spanning processes is refused, naming the key."""
+    shrink = dict(comm__fault_tolerance="shrink", strategy="community")
+    assert population.refusal(_cfg(world_size=16, train__group_size=2, **shrink), 4) is None
+    assert population.refusal(_cfg(world_size=16, train__group_size=2, **shrink), 16) is None
+    why = population.refusal(_cfg(world_size=16, train__group_size=8, **shrink), 4)
+    assert why is not None and "train.group_size=8" in why and "comm.fault_tolerance=shrink" in why
 
 
 # ---------------------------------------------------------------- inside a group: the hub's tree

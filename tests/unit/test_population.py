@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from communities.core.placement import tree_sum
-from communities.errors import ConfigError, Disagreement
+from communities.errors import Disagreement
 from communities.runtime import population
 from communities.runtime.comm import World
 from communities.runtime.p2p import Tag

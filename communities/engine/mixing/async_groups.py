@@ -109,6 +109,18 @@ class GroupFollowerMixer(Mixer):
         barrier = self._budgets_done
         return self.base.shared(("train on", self.t), lambda: not barrier.Test())
 
+    def make_record(self, flat):
+        from ..state.async_survival import ExchangeRecord
+
+        return ExchangeRecord(flat)  # (a member exchanges nothing: its row says so)
+
+    def after_loss(self) -> None:
+        """The barriers posted so far, posted again on the new communicator, in their order (as its lead does)."""
+        if self._budgets_done is not None:
+            self._budgets_done = self.base.ibarrier()
+        if self._barrier is not None:
+            self._barrier = self.base.ibarrier()
+
     def drain(self) -> None:
         """The end's barriers and count exchange, as the lead posts them; then the lead's final state."""
         if self.cfg.train.after_budget == "train" and self._budgets_done is None:

@@ -53,6 +53,7 @@ class PopulationMixer(PostedMixer):
         """After unit t: serve; a firing timer asks a partner in another process (posted) or pairs in memory."""
         self.t = t
         self.serve()
+        self._share_rows()
         target, flags = None, 0
         if t >= self.next_fire:
             self.next_fire = t + protocol.merge_interval(self.cfg.seed, t, self.rank, self._lam())
@@ -77,6 +78,17 @@ class PopulationMixer(PostedMixer):
 
     def _after_step(self) -> None:
         """After the unit's mixing (a group's lead: its members take what it merged, ``async_groups.py``)."""
+
+    def _share_rows(self) -> None:
+        """The process's replicas see each other's signature rows at once (they share its memory): each takes
+        the newer own rows of the others; gossip spreads them across processes."""
+        tables = self.world.shared(("gossip tables",), dict)
+        tables[self.rank] = self.table
+        mine = self.table
+        for q, table in tables.items():
+            if q != self.rank and table.versions[q] > mine.versions[q]:
+                mine.rows[q] = table.rows[q]
+                mine.versions[q] = table.versions[q]
 
     def _ask(self, t: int) -> None:
         """A retry after BUSY: partners in other processes only (a pair inside the process merges at the unit's

@@ -140,9 +140,10 @@ class AsyncSurvival(Survival):
     """``Survival`` for ``protocol: async``: the survivors settle and go on; nothing is rolled back."""
 
     def __init__(self, world, parts, *, replica, lost_shard: str, rewind, log_lost, take_over, mixer, logged_t,
-                 run_dir, drop_rows: Callable[[int], None] = lambda t: None):
+                 run_dir, drop_rows: Callable[[int], None] = lambda t: None,
+                 on_shrink: Callable[[str], None] = lambda stage: None):
         super().__init__(world, parts, replica=replica, lost_shard=lost_shard, rewind=rewind, log_lost=log_lost,
-                         take_over=take_over)
+                         take_over=take_over, on_shrink=on_shrink)
         self.mixer, self._logged_t, self.run_dir, self._drop_rows = mixer, logged_t, run_dir, drop_rows
         self.record = mixer.cut = mixer.make_record(replica.flat)
 
@@ -158,7 +159,9 @@ class AsyncSurvival(Survival):
         t = self._logged_t()
         while True:
             try:
+                self.on_shrink("before")
                 lost += world.recover()
+                self.on_shrink("after")
                 rows = world.allgather(self.record.row())  # every survivor's last exchange
                 # a population's replicas train together: they go on from the same unit (the earliest logged)
                 t = world.together(("go on from", len(lost)), t, lambda units: [min(units)] * len(units))

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -79,8 +79,10 @@ class Survival(NoSurvival):
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
     def __init__(self, world: World, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost,
-                 take_over):
+                 take_over, on_shrink: Callable[[str], None] = lambda stage: None):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
+        # before each shrink and right after it (data-parallel groups: their communicators revoked, then rebuilt)
+        self.on_shrink = on_shrink
         self._rewind, self._log_lost = rewind, log_lost  # the lead: drop rows after t; write the LOST rows
         self._take_over = take_over  # the new lead, when the writer was lost: (t, lost) -> it writes from now on
         self.copies: List[Tuple[int, bytes]] = []
@@ -105,7 +107,9 @@ class Survival(NoSurvival):
         lost: List[int] = []
         while True:
             try:
+                self.on_shrink("before")
                 lost += world.recover()
+                self.on_shrink("after")
                 t = int(world.allreduce_scalar(float(self.copies[-1][0]), "min"))
                 if not world.alive[writer]:
                     self._new_writer(t, sorted(lost), writer)
