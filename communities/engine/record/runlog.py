@@ -285,7 +285,7 @@ class RunLog:
             protocol=self.cfg.protocol,
             view_agreement=self._views(view_rows) if view_rows is not None else None,
             placement=placement_summary(w.processes, w.size, g),
-            groups=group_summary(self.cfg.train.group_size, g),
+            groups=group_summary(self.cfg.train.group_size, g, np.flatnonzero(w.alive)),
             privacy=self._privacy_summary(g) if dp is not None else None,
             pbt=(pbt.summary(self.hyper_names, np.concatenate(hyper_rows), labels)
                  if hyper_rows is not None else None),
@@ -464,14 +464,16 @@ def lm_lines(s: Summary, lm: LanguageModel, on: str = "") -> List[str]:
             f"rank test loss           {ranks}; next-token accuracy mean {s.mean_rank_acc:.4f}"]
 
 
-def group_summary(size: int, g: Dict[str, np.ndarray]) -> Optional[dict]:
+def group_summary(size: int, g: Dict[str, np.ndarray], ranks: Optional[np.ndarray] = None) -> Optional[dict]:
     """Data-parallel groups (train.group_size > 1): bytes inside groups (every step's gradient average, the leads'
     copies to their members) against bytes between groups (what the method sends: merges, signatures, averages)."""
     if size <= 1:
         return None
     inside = g["bytes_in_group"]
     between = g["bytes_sent"] - inside
-    per_group = between.reshape(-1, size).sum(axis=1)
+    # (the replicas alive, in rank order: a lost member's group sums its survivors')
+    of = np.asarray(ranks if ranks is not None else np.arange(len(between))) // size
+    per_group = np.bincount(of, weights=between)[np.unique(of)]
     return {"size": size, "groups": len(per_group), "bytes_in_group_mean": float(inside.mean()),
             "bytes_between_groups_mean": float(between.mean()),
             "bytes_between_groups_per_group_mean": float(per_group.mean())}
