@@ -370,37 +370,10 @@ class Hub:
         return [total.copy() for _ in ops]
 
     def _c_bcast(self, ops: List[Collective]) -> List[Any]:
-        root = ops[0].root
-        proc = self.placement.process_of(root)
-        values = [op.value for op in ops]
-        mine = values[self.block.index(root)] if root in self.block else values[0]
-        if isinstance(mine, torch.Tensor):
-            buf = mine.detach().clone()
-            self.world.bcast_(buf, root=proc)
-            for v in values:
-                v.copy_(buf)
-            return values
-        shape, dtype = ops[0].value[1], ops[0].value[2]
-        arr = mine[0] if root in self.block else None
-        got = self.world.bcast_array(arr, shape, dtype, root=proc, what=ops[0].what)
-        return [got.copy() for _ in ops]
+        return bcast_of(self, ops)
 
     def _c_gather_rows(self, ops: List[Collective]) -> List[Any]:
-        root = ops[0].root
-        rows = [np.ascontiguousarray(op.value, dtype=np.float64) for op in ops]
-        width = rows[0].shape[1] if rows[0].ndim == 2 else 0
-        counts = self.world.allgather(np.array([r.shape[0] if width else 0 for r in rows], dtype=np.int64))
-        local = np.concatenate([r.reshape(-1, width) for r in rows]) if width else np.zeros((0, 0))
-        blocks = self.world.gather_rows(local, root=self.placement.process_of(root))
-        out: List[Any] = [None] * len(ops)
-        if blocks is not None:
-            per: List[np.ndarray] = []
-            for p, block in enumerate(blocks):
-                offsets = np.concatenate([[0], np.cumsum(counts[p])])
-                for k in range(len(counts[p])):
-                    per.append(block[offsets[k]: offsets[k + 1]] if width else np.zeros((0, 0)))
-            out[self.block.index(root)] = per
-        return out
+        return gather_rows_of(self, ops)
 
     def _c_group_mean(self, ops: List[Collective]) -> List[Any]:
         """Each replica's tensor becomes the mean over the replicas of its color (``hub_groups.color_means``)."""
@@ -687,6 +660,42 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
         self._swap_arrays(send, recv, peer, tag)
         self.bytes_sent += send.nbytes
         return recv
+
+
+def bcast_of(hub: Hub, ops: List[Collective]) -> List[Any]:
+    """A hub's Bcast: from the root replica's process to every process, then to every replica here."""
+    root = ops[0].root
+    proc = hub.placement.process_of(root)
+    values = [op.value for op in ops]
+    mine = values[hub.block.index(root)] if root in hub.block else values[0]
+    if isinstance(mine, torch.Tensor):
+        buf = mine.detach().clone()
+        hub.world.bcast_(buf, root=proc)
+        for v in values:
+            v.copy_(buf)
+        return values
+    shape, dtype = ops[0].value[1], ops[0].value[2]
+    arr = mine[0] if root in hub.block else None
+    got = hub.world.bcast_array(arr, shape, dtype, root=proc, what=ops[0].what)
+    return [got.copy() for _ in ops]
+
+def gather_rows_of(hub: Hub, ops: List[Collective]) -> List[Any]:
+    """A hub's Gatherv of log rows: every replica's block, at the root replica (one per replica, rank order)."""
+    root = ops[0].root
+    rows = [np.ascontiguousarray(op.value, dtype=np.float64) for op in ops]
+    width = rows[0].shape[1] if rows[0].ndim == 2 else 0
+    counts = hub.world.allgather(np.array([r.shape[0] if width else 0 for r in rows], dtype=np.int64))
+    local = np.concatenate([r.reshape(-1, width) for r in rows]) if width else np.zeros((0, 0))
+    blocks = hub.world.gather_rows(local, root=hub.placement.process_of(root))
+    out: List[Any] = [None] * len(ops)
+    if blocks is not None:
+        per: List[np.ndarray] = []
+        for p, block in enumerate(blocks):
+            offsets = np.concatenate([[0], np.cumsum(counts[p])])
+            for k in range(len(counts[p])):
+                per.append(block[offsets[k]: offsets[k + 1]] if width else np.zeros((0, 0)))
+        out[hub.block.index(root)] = per
+    return out
 
 
 def waitsome(MPI, requests: list) -> None:

@@ -80,15 +80,19 @@ class PopulationMixer(PostedMixer):
         """After the unit's mixing (a group's lead: its members take what it merged, ``async_groups.py``)."""
 
     def _share_rows(self) -> None:
-        """The process's replicas see each other's signature rows at once (they share its memory): each takes
-        the newer own rows of the others; gossip spreads them across processes."""
+        """The process's replicas see each other's signature tables at once (they share its memory): each takes
+        every row another one holds newer (its own, and what its exchanges brought), so what one replica of the
+        process learned from another process, all of them know; gossip spreads the rows across processes."""
         tables = self.world.shared(("gossip tables",), dict)
         tables[self.rank] = self.table
         mine = self.table
         for q, table in tables.items():
-            if q != self.rank and table.versions[q] > mine.versions[q]:
-                mine.rows[q] = table.rows[q]
-                mine.versions[q] = table.versions[q]
+            if q != self.rank:
+                newer = table.versions > mine.versions
+                newer[self.rank] = False  # (its own row is its own: after a loss it may sign an earlier unit again)
+                if newer.any():
+                    mine.rows[newer] = table.rows[newer]
+                    mine.versions[newer] = table.versions[newer]
 
     def _ask(self, t: int) -> None:
         """A retry after BUSY: partners in other processes only (a pair inside the process merges at the unit's
