@@ -66,7 +66,8 @@ def _replica_faults(c: Any) -> List[str]:
     f = c.faults
     named = (("faults.nan_rank", f.nan_rank is not None), ("faults.hostile_rank", f.hostile_rank is not None),
              ("faults.stall_rank", f.stall_rank is not None), ("faults.speed", bool(f.speed)),
-             ("faults.kill", bool(f.kill)), ("faults.jitter", f.jitter > 0), ("faults.slow_max", f.slow_max > 0))
+             ("faults.kill", bool(f.kill) and c.comm.fault_tolerance != "shrink"), ("faults.jitter", f.jitter > 0),
+             ("faults.slow_max", f.slow_max > 0))
     return [k for k, on in named if on]
 
 
@@ -94,7 +95,6 @@ REFUSALS: Tuple[Refusal, ...] = (
          _posted("the seen-at table")),
         ("merge.outer.enabled=true", lambda c: c.merge.outer.enabled, _posted("an outer step on the merge")),
         ("examples.pass_hard=true", lambda c: c.examples.pass_hard, _posted("hard examples")),
-        ("pbt.enabled=true", lambda c: c.pbt.enabled, _posted("scores and hyperparameters")),
     ]),
     *_about("comm.exchange={c.comm.exchange!r}", lambda c: c.comm.exchange != "sendrecv", [
         ("protocol={c.protocol!r}", lambda c: c.protocol != "async",
@@ -211,9 +211,6 @@ REFUSALS: Tuple[Refusal, ...] = (
          "every replica already averages gradients at every step"),
         ("strategy={c.strategy!r}", lambda c: c.strategy in ("ifca", "oracle"),
          "each replica picks or is given its model by its own shard or group"),
-        ("protocol='async'", lambda c: c.protocol == "async", "not built yet for groups: use the virtual clock"),
-        ("comm.fault_tolerance='shrink'", lambda c: c.comm.fault_tolerance == "shrink",
-         "not built yet for groups: use abort and --resume"),
         ("examples.track / examples.pass_hard", lambda c: c.examples.track or c.examples.pass_hard,
          "the example table is one replica's shard"),
         (lambda c: _replica_faults(c)[0], lambda c: bool(_replica_faults(c)),
@@ -222,13 +219,18 @@ REFUSALS: Tuple[Refusal, ...] = (
     # several replicas in one MPI process (a population): what acts on a process, or needs one replica in each
     *_about("world_size={p.replicas} replicas on {p.processes} MPI processes ({p.per_process} per process)",
             lambda c: True, [
-                ("protocol='async'", lambda c: c.protocol == "async",
-                 "its replicas serve each other between batches: one replica per process"),
                 ("device={c.device!r}", lambda c: c.device != "cpu", "replicas in one process run on the CPU for now"),
-                ("faults.speed", lambda c: bool(c.faults.speed), "it slows a process"),
                 ("faults.kill without comm.fault_tolerance=shrink",
                  lambda c: bool(c.faults.kill) and c.comm.fault_tolerance != "shrink", "it kills a process"),
-                ("faults.stall_rank", lambda c: c.faults.stall_rank is not None, "it stalls a process"),
+                # protocol async: a pair across processes is a posted exchange (engine/mixing/async_population.py)
+                *[("protocol='async' and " + key, lambda c, on=on: c.protocol == "async" and on(c),
+                   _posted(what)) for key, on, what in (
+                    ("merge.optimizer_state='average'", lambda c: c.merge.optimizer_state == "average",
+                     "the optimizer moments"),
+                    ("merge.partner_policy='least_recent'", lambda c: c.merge.partner_policy == "least_recent",
+                     "the seen-at table"),
+                    ("merge.outer.enabled=true", lambda c: c.merge.outer.enabled, "an outer step on the merge"),
+                    ("examples.pass_hard=true", lambda c: c.examples.pass_hard, "hard examples"))],
             ], placement=True),
 )
 
@@ -258,26 +260,43 @@ def check_placement(cfg: Any, processes: int, *, source: Optional[str] = None) -
     processes that divides it), or one per process without one. ConfigError naming the keys where that placement
     cannot run, before anything starts; ``source`` says where the process count came from (the launcher, the
     ``--processes`` option, a SLURM job's tasks), so that no message claims MPI started what it did not."""
-    where = source or f"{processes} MPI processes"
     if processes < 1:
-        raise ConfigError(f"{where}: the number of MPI processes must be at least 1")
+        raise ConfigError(f"{source or f'{processes} MPI processes'}: the number of MPI processes must be at least 1")
+    problem = placement_refusal(cfg, processes, source=source)
+    if problem:
+        raise ConfigError(problem)
+    replicas = processes if cfg.world_size is None else cfg.world_size
+    cfg.check_world(replicas)
+    return replicas
+
+
+def placement_refusal(cfg: Any, processes: int, *, source: Optional[str] = None) -> Optional[str]:
+    """Why ``cfg`` cannot run on ``processes`` MPI processes, naming the keys (None: it can)."""
+    where = source or f"{processes} MPI processes"
     n = cfg.world_size
     replicas = processes if n is None else n
-    if replicas != processes:
-        if processes > replicas or replicas % processes:
-            raise ConfigError(
-                f"world_size={replicas} replicas cannot be placed on {where}: start {replicas} processes (one replica "
+    size = cfg.train.group_size
+    if cfg.protocol == "async" and size > 1 and (replicas == processes or (replicas // processes) % size):
+        return (f"train.group_size={size} with protocol=async: a group trains at its own pace as one process's "
+                f"replicas do, so it must lie inside one process (group_size dividing the replicas per process; "
+                f"here {where} for world_size={n})")
+    if replicas == processes:
+        return None
+    if processes > replicas or replicas % processes:
+        return (f"world_size={replicas} replicas cannot be placed on {where}: start {replicas} processes (one replica "
                 f"each) or a number that divides {replicas} ({_divisors(replicas)}; each process then hosts "
                 f"world_size / P replicas), or set world_size={processes} (or world_size=null: one replica per "
                 "process)")
-        group = group_placement_problem(cfg.train.group_size, replicas, processes)
-        if group:
-            raise ConfigError(group)
-        problem = first_refusal(cfg, p=Layout(replicas, processes))
-        if problem:
-            raise ConfigError(f"{problem}: start {replicas} processes, one replica each")
-    cfg.check_world(replicas)
-    return replicas
+    group = group_placement_problem(size, replicas, processes)
+    if group:
+        return group
+    if size > 1 and cfg.comm.fault_tolerance == "shrink" and size > replicas // processes:
+        return (f"train.group_size={size} spanning processes ({replicas // processes} replicas each) with "
+                "comm.fault_tolerance=shrink: a group that loses a process would need its stacked average rebuilt "
+                "on fewer rows; use groups inside a process (group_size dividing the replicas per process), or one "
+                "replica per process")
+    problem = first_refusal(cfg, p=Layout(replicas, processes))
+    return f"{problem}: start {replicas} processes, one replica each" if problem else None
 
 
 def _divisors(n: int, shown: int = 8) -> str:

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -33,6 +33,9 @@ class NoFaults:
     def batch_hook(self, t: int) -> Optional["SlowDown"]:
         """A function to call after each batch of unit t (None: nothing to do)."""
         return None
+
+    def slow_stacked(self, t: int, seconds: float, steps: int) -> None:
+        """After a population's stacked unit that took ``seconds`` of compute: the process's slowdown of it."""
 
     def after_unit(self, t: int, flat: torch.Tensor) -> None:
         """After the unit's training: a stall, or weights turned to NaN."""
@@ -60,8 +63,10 @@ class NoFaults:
 class InjectedFaults(NoFaults):
     """The faults of one rank, from a FaultsConfig; every random draw is keyed by (seed, t, rank)."""
 
-    def __init__(self, cfg: FaultsConfig, seed: int, rank: int):
+    def __init__(self, cfg: FaultsConfig, seed: int, rank: int, *, block: Optional[List[int]] = None):
         self.cfg, self.seed, self.rank = cfg, int(seed), int(rank)
+        # faults.speed acts on a process: a population's replicas all take the slowest factor named in their block
+        self.factor = max([float(cfg.speed.get(r, 1.0)) for r in (block or [rank])] + [1.0])
         self.hostile = cfg.hostile_rank == rank
         self._hostile_rng = torch.Generator().manual_seed(int(seed) * 31 + 7)
 
@@ -71,11 +76,20 @@ class InjectedFaults(NoFaults):
 
     def batch_hook(self, t: int) -> Optional["SlowDown"]:
         """faults.speed: sleep (factor - 1) x each batch's own time; faults.jitter: a random extra per batch."""
-        factor = float(self.cfg.speed.get(self.rank, 1.0))
+        factor = self.factor
         jitter = float(self.cfg.jitter)
         if factor == 1.0 and jitter == 0.0:
             return None
         return SlowDown(factor, jitter, protocol.rng(self.seed, protocol.Purpose.JITTER, t, self.rank))
+
+    def slow_stacked(self, t: int, seconds: float, steps: int) -> None:
+        """faults.speed: (factor - 1) x the stacked unit's compute; faults.jitter: a random extra per step."""
+        pause = (self.factor - 1.0) * seconds
+        if self.cfg.jitter:
+            rng = protocol.rng(self.seed, protocol.Purpose.JITTER, t, self.rank)
+            pause += self.cfg.jitter * float(rng.random(max(int(steps), 0)).sum())
+        if pause > 0:
+            time.sleep(pause)
 
     def after_unit(self, t: int, flat: torch.Tensor) -> None:
         f = self.cfg
@@ -136,8 +150,9 @@ class SlowDown:
         self.restart()
 
 
-def make_faults(cfg: FaultsConfig, seed: int, rank: int) -> NoFaults:
-    """``InjectedFaults`` when ``cfg`` (a FaultsConfig) asks for any fault, else ``NoFaults``."""
+def make_faults(cfg: FaultsConfig, seed: int, rank: int, *, block: Optional[List[int]] = None) -> NoFaults:
+    """``InjectedFaults`` when ``cfg`` (a FaultsConfig) asks for any fault, else ``NoFaults``. ``block``: the
+    ranks this rank's process hosts (a population's replicas): faults.speed slows the whole process."""
     asked = (cfg.slow_max > 0 or cfg.stall_rank is not None or cfg.nan_rank is not None
              or cfg.hostile_rank is not None or bool(cfg.speed) or cfg.jitter > 0 or bool(cfg.kill))
-    return InjectedFaults(cfg, seed, rank) if asked else NoFaults()
+    return InjectedFaults(cfg, seed, rank, block=block) if asked else NoFaults()

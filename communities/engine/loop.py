@@ -90,7 +90,7 @@ class Engine:
 
         device = _set_up(cfg, world)
         self.timer = Timer(turns=world.turn_seconds, waits=world.waited_seconds)
-        self.faults = make_faults(cfg.faults, cfg.seed, world.rank)
+        self.faults = make_faults(cfg.faults, cfg.seed, world.rank, block=world.process_block)
         self.agreement = RunningDigest()
         # train.group_size > 1: the algorithm's parts see the groups (a group's lead speaks for it across groups);
         # the replica's own (data, training, rows, checkpoints) keep the replica's world
@@ -124,10 +124,11 @@ class Engine:
         if cfg.comm.fault_tolerance == "shrink":  # what a lost rank rolls back: all but the clocks and counters
             rolled = {k: v for k, v in parts.items() if k not in ("timer", "traffic")}
             hooks: Dict[str, Any] = dict(replica=self.replica, lost_shard=cfg.comm.lost_shard,
-                                         rewind=self._rewind, log_lost=self._log_lost, take_over=self._take_over)
+                                         rewind=self._rewind, log_lost=self._log_lost, take_over=self._take_over,
+                                         on_shrink=self._regroup)
             if cfg.protocol == "async":  # nothing rolled back: the survivors settle and go on (async_survival.py)
                 self.survival = AsyncSurvival(world, rolled, mixer=self.mixer, logged_t=lambda: self.logged_t,
-                                              run_dir=self.run_dir, **hooks)
+                                              run_dir=self.run_dir, drop_rows=self.log.drop_after, **hooks)
                 self.log.seen = {}  # a final gather cut by a loss is gathered again: its rows are written once
             else:
                 self.survival = survival.Survival(world, rolled, **hooks)
@@ -227,7 +228,11 @@ class Engine:
         self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss,
                              self.replica.epsilon if self.replica.dp is not None else None)
-        if decision is not None and decision.stop:  # identical on every rank (virtual clock): a stop signal is moot
+        stop = decision is not None and decision.stop  # identical on every rank (virtual clock): a signal is moot
+        if self.cfg.protocol == "async" and self.rounds.due(t):  # a population's replicas stop together: once
+            member = self.groups is not None and not self.groups.leads_group  # (a group's view is its lead's)
+            stop = self.world.together(("settled", t), None if member else stop, _all_settled)
+        if stop:
             return True
         # A write that failed on rank 0 (a full disk) stops every rank like a signal, then raises there.
         signal = stopflag.requested() or self.run_dir.stop_file_present() or self.run_dir.failure is not None
@@ -307,6 +312,21 @@ class Engine:
         if self._heir:
             self.log.merges_logged = count_merges(self.run_dir.path / "merges.jsonl")
 
+    def _regroup(self, stage: str) -> None:
+        """Around a shrink, with data-parallel groups: before it, the group's own communicator is revoked too (a
+        member blocked in the group's average with this one returns and recovers); after it, a lost member leaves
+        its group, which goes on (its average over the members alive, a new lead if its lead was lost); a group
+        with no member alive is lost."""
+        if self.groups is None:
+            return
+        if stage == "before":
+            self.groups.revoke()
+            return
+        self.groups.refresh()
+        assert self.replica.group is not None
+        self.replica.group.refresh()
+        self.log.logs_merges = self.groups.leads_group
+
     def _log_lost(self, records: List[dict]) -> None:
         """The lead: the ranks lost, as ``merges.jsonl`` rows (event ``lost``), written at once."""
         if self.run_dir.writer is not None:
@@ -356,6 +376,12 @@ class Engine:
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
         return summary
+
+
+def _all_settled(views: List[Optional[bool]]) -> List[bool]:
+    """Whether every view of a process has settled (a group member's, None, is its lead's)."""
+    told = [v for v in views if v is not None]
+    return [bool(told) and all(told)] * len(views)
 
 
 def select_device(device: str, local_rank: int) -> torch.device:

@@ -3,7 +3,8 @@
 ``virtual_clock`` (the default): every rank walks the same exchange lists and
 signature rounds are collectives; deterministic and bitwise resumable.
 ``async``: each rank at its own pace; merges by request, served between
-batches; signatures spread by gossip; no collective in the loop. The loop
+batches; signatures spread by gossip; no collective in the loop (a population:
+each process at its own pace, its replicas together, ``async_population.py``). The loop
 (``loop.py``) is the same for both: it asks the parts.
 """
 from __future__ import annotations
@@ -13,7 +14,11 @@ from typing import NamedTuple
 from ..config import Config
 from ..core.protocol import RunningDigest
 from ..runtime.comm import World
+from ..runtime.group_async import LeadView
+from ..runtime.groups import GroupWorld
+from .mixing.async_groups import GroupFollowerMixer, GroupLeadMixer
 from .mixing.async_mixer import AsyncMixer
+from .mixing.async_population import PopulationMixer
 from .mixing.async_posted import PostedMixer
 from .mixing.mixer import Mixer
 from .outcome.consensus import AsyncConsensus, Consensus
@@ -35,8 +40,13 @@ def build(cfg: Config, world: World, timer: Timer, replica: Replica, agreement: 
     if cfg.protocol == "async":
         gossip = GossipRounds(cfg, world, timer, replica=replica, agreement=agreement)
         consensus = AsyncConsensus(cfg, world, timer, replica=replica)
-        kind = PostedMixer if cfg.comm.exchange == "posted" else AsyncMixer
-        mixer = kind(cfg, world, timer, replica=replica, agreement=agreement, table=gossip.table,
+        kind: type = PostedMixer if cfg.comm.exchange == "posted" else AsyncMixer
+        view: object = world
+        if world.processes < world.size:  # a population: pairs in a process merge in memory, across are posted
+            kind = PopulationMixer
+        if isinstance(world, GroupWorld):  # data-parallel groups: the lead mixes for its group, members follow
+            kind, view = (GroupLeadMixer, LeadView(world)) if world.leads_group else (GroupFollowerMixer, world)
+        mixer = kind(cfg, view, timer, replica=replica, agreement=agreement, table=gossip.table,
                      snapshots=consensus.snapshots)
         return Parts(gossip, mixer, consensus, collective_log=False)
     rounds = SignatureRounds(cfg, world, timer, replica=replica, agreement=agreement)

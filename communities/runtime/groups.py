@@ -48,7 +48,13 @@ class SubcommGroup:
     def __init__(self, world, layout: GroupLayout):
         self.world, self.layout = world, layout
         self.member = layout.member_of(world.rank)
-        self.sub = world.split(layout.group_of(world.rank))
+        group = layout.group_of(world.rank)
+        # the members alive, in rank order: their places in the split (a lost member's left out: shrink)
+        self.places = [layout.member_of(r) for r in layout.members(group) if world.alive[r]]
+        self.sub = world.split(group)
+
+    def _root(self, root_member: int) -> int:
+        return self.places.index(int(root_member))
 
     def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         with self.world.inside_group():
@@ -59,11 +65,26 @@ class SubcommGroup:
 
     def bcast_(self, t: torch.Tensor, root_member: int) -> torch.Tensor:
         with self.world.inside_group():
-            return self.sub.bcast_(t, root_member)
+            return self.sub.bcast_(t, self._root(root_member))
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root_member: int) -> np.ndarray:
         with self.world.inside_group():
-            return self.sub.bcast_array(arr, shape, dtype, root_member)
+            return self.sub.bcast_array(arr, shape, dtype, self._root(root_member))
+
+    def revoke(self) -> None:
+        """Before a shrink (comm.fault_tolerance shrink): a member blocked in a call inside the group returns."""
+        try:
+            if self.sub.comm is not None:
+                self.sub.comm.Revoke()
+        except Exception:  # revoked already, or gone: either way nobody waits in it any more
+            pass
+
+    def free(self) -> None:
+        """After a shrink: the split of the revoked communicator is given up (it may refuse: gone either way)."""
+        try:
+            self.sub.free()
+        except Exception:
+            self.sub.comm = None
 
 
 class _GroupRows:
@@ -145,6 +166,21 @@ class GroupWorld:
 
     def _lead_rows(self) -> np.ndarray:
         return self.layout.leads(None if self.base.whole else self.base.alive)
+
+    def revoke(self) -> None:
+        """Before a shrink: the calls inside this replica's group return (a hub's group: nothing to revoke)."""
+        if hasattr(self.intra, "revoke"):
+            self.intra.revoke()
+
+    def refresh(self) -> None:
+        """After a lost process (comm.fault_tolerance shrink, a collective of the survivors): the groups with a
+        member alive, each led by its lowest member alive, and the calls inside groups rebuilt on the survivors."""
+        alive = self.layout.group_alive(None if self.base.whole else self.base.alive)
+        self.membership = Membership(self.layout.groups, np.flatnonzero(alive).tolist())
+        old = self.intra
+        if hasattr(old, "free"):
+            old.free()
+        self.intra = self.base.intra_group(self.layout)
 
     def of_ranks(self, per_replica: np.ndarray) -> np.ndarray:
         """A per-replica array (planted groups, ...) as this view's ranks see it: each group's lead's entry."""

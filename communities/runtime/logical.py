@@ -9,6 +9,7 @@ byte model they count by.
 from __future__ import annotations
 
 import socket
+import time
 from typing import List, Optional
 
 import numpy as np
@@ -79,6 +80,25 @@ class LogicalRanks(Traffic):
         """The in-place sum over the processes a group of ``group_size`` replicas spans, for a population's stacked
         step (None: one replica per process has nothing to stack; ``ReplicaWorld`` overrides it)."""
         return None
+
+    @property
+    def process_block(self) -> List[int]:
+        """The logical ranks this rank's MPI process hosts (itself; a population's replicas: its block)."""
+        return [int(self.rank)]
+
+    @property
+    def flags(self) -> set:
+        """What the ranks of this process have heard, shared by them (protocol async: a stop)."""
+        got = self.__dict__.get("_flags")
+        if got is None:
+            got = self.__dict__["_flags"] = set()
+        return got
+
+    process_idle = 0.0  # a population's process: seconds its hub waited on other processes (population.Hub)
+
+    def pause(self, seconds: float) -> None:
+        """Wait while polling (protocol async): sleep (a population's replica lets the others run instead)."""
+        time.sleep(seconds)
 
     def count_sent(self, nbytes: int) -> None:
         """Training bytes of a collective over every replica that the caller did not make through this view."""

@@ -38,13 +38,15 @@ import torch
 from ..core.groups import GroupLayout
 from ..core.placement import Placement, tree_sum
 from ..errors import ConfigError, Disagreement
+from .hub_async import AsyncCalls, HubMail, Lost, Pause, control_tag_base, sleep_for
 from .hub_groups import GroupCalls, GroupOp, HubGroup, color_means
 from .logical import LogicalRanks
 from .membership import Membership
+from .tags import TAG_KINDS
 from .ulfm import RankLost
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
-TAG_KINDS = 16  # message kinds (``tags.Tag``) below this: a network tag is (src, dst, kind)
+
 
 
 # ---------------------------------------------------------------- what a replica waits on
@@ -81,9 +83,10 @@ class Hub:
         self.block = self.placement.block(world.rank)
         self.block_set = frozenset(self.block)
         b = self.placement.per_process
-        if b * b * TAG_KINDS > world.tag_limit:
-            raise ConfigError(f"world_size={replicas} on {world.size} processes puts {b} replicas in each, more than "
-                              f"this MPI's tags can name pairwise (MPI_TAG_UB {world.tag_limit}): start more processes")
+        if control_tag_base(b) + b > world.tag_limit:
+            raise ConfigError(f"world_size={replicas} on {world.size} processes puts {b} replicas in each, more "
+                              f"than this MPI's tags can name pairwise (MPI_TAG_UB {world.tag_limit}): start more "
+                              f"processes")
         self.memo: Dict[Hashable, Any] = {}
         self._timeout_set: Optional[float] = None
         self._glets: Dict[int, Any] = {}
@@ -95,6 +98,10 @@ class Hub:
         self.groups: Optional[GroupCalls] = None  # train.group_size > 1: the calls inside groups (hub_groups.py)
         self._worlds: Dict[int, "ReplicaWorld"] = {}
         self.membership = Membership(replicas)  # the replicas alive: a lost process takes its block with it
+        self.mail = HubMail(self)
+        self.flags: set = set()  # protocol async: control messages, barriers (hub_async.py)
+        self._paused: Dict[int, float] = {}  # protocol async: replicas that poll, and for how long they pause
+        self.idle_s = 0.0  # seconds no replica could run: waiting on other processes (the process's idle time)
         self.epoch = 0  # recoveries so far (``shared`` keys: the exchange list of unit t depends on who is alive)
         self.clock = Clock(self.block)  # where the process's time goes (engine/timer.py)
 
@@ -138,13 +145,22 @@ class Hub:
                 ready.extend(self._post(r, out))
         if len(results) == len(self.block):
             return
+        start = time.perf_counter()
         if len(self._collective) + len(results) == len(self.block) and self._collective:
+            local = {op.name for op in self._collective.values()} <= {"together", "groups", "local_rank"}
             ready.extend(self._run_collective(results))
+            if local:
+                return  # (work done in the process, not a wait)
+        elif self._paused:  # (protocol async) nobody can go on but by polling: let them poll again
+            sleep_for(self._paused)
+            ready.extend((r, None) for r in sorted(self._paused))
+            self._paused = {}
         elif self._network:
             ready.extend(self._wait_network())
         else:
             raise RuntimeError(f"replicas of process {self.world.rank} wait on each other: "
                                f"{_waiting_on(self, results)}")
+        self.idle_s += time.perf_counter() - start
 
     def _lost(self, exc: RankLost, results: Dict[int, Any]) -> Deque[Tuple[int, Any]]:
         """A peer process was lost: what each replica waited on is void; each gets the ``RankLost`` to recover."""
@@ -153,8 +169,11 @@ class Hub:
                 q.Free()
             except Exception:  # a request of the revoked communicator: gone with it either way
                 pass
-        self._p2p, self._network, self._collective = {}, {}, {}
+        self._p2p, self._network, self._collective, self._paused = {}, {}, {}, {}
         self.groups = self.groups and self.groups.cleared()
+        self.mail.clear()
+        for w in self._worlds.values():
+            w.drop_posts()
         return deque((r, _Throw(exc)) for r in self.block if r not in results)
 
     def _resume(self, r: int, value: Any) -> Any:
@@ -177,6 +196,11 @@ class Hub:
         if isinstance(op, Collective):
             self._collective[r] = op
             return []
+        if isinstance(op, Pause):
+            self._paused[r] = op.seconds
+            return []
+        if isinstance(op, Lost):
+            raise op.exc
         if isinstance(op, GroupOp):
             assert self.groups is not None  # (set up by ``intra_group``, a collective before any group call)
             return self.groups.post(r, op)
@@ -292,37 +316,10 @@ class Hub:
         return [total.copy() for _ in ops]
 
     def _c_bcast(self, ops: List[Collective]) -> List[Any]:
-        root = ops[0].root
-        proc = self.placement.process_of(root)
-        values = [op.value for op in ops]
-        mine = values[self.block.index(root)] if root in self.block else values[0]
-        if isinstance(mine, torch.Tensor):
-            buf = mine.detach().clone()
-            self.world.bcast_(buf, root=proc)
-            for v in values:
-                v.copy_(buf)
-            return values
-        shape, dtype = ops[0].value[1], ops[0].value[2]
-        arr = mine[0] if root in self.block else None
-        got = self.world.bcast_array(arr, shape, dtype, root=proc, what=ops[0].what)
-        return [got.copy() for _ in ops]
+        return bcast_of(self, ops)
 
     def _c_gather_rows(self, ops: List[Collective]) -> List[Any]:
-        root = ops[0].root
-        rows = [np.ascontiguousarray(op.value, dtype=np.float64) for op in ops]
-        width = rows[0].shape[1] if rows[0].ndim == 2 else 0
-        counts = self.world.allgather(np.array([r.shape[0] if width else 0 for r in rows], dtype=np.int64))
-        local = np.concatenate([r.reshape(-1, width) for r in rows]) if width else np.zeros((0, 0))
-        blocks = self.world.gather_rows(local, root=self.placement.process_of(root))
-        out: List[Any] = [None] * len(ops)
-        if blocks is not None:
-            per: List[np.ndarray] = []
-            for p, block in enumerate(blocks):
-                offsets = np.concatenate([[0], np.cumsum(counts[p])])
-                for k in range(len(counts[p])):
-                    per.append(block[offsets[k]: offsets[k + 1]] if width else np.zeros((0, 0)))
-            out[self.block.index(root)] = per
-        return out
+        return gather_rows_of(self, ops)
 
     def _c_group_mean(self, ops: List[Collective]) -> List[Any]:
         """Each replica's tensor becomes the mean over the replicas of its color (``hub_groups.color_means``)."""
@@ -368,6 +365,7 @@ def _waiting_on(hub: Hub, results: Dict[int, Any]) -> str:
     parts = [f"replica {r} in {c.what}" for r, c in sorted(hub._collective.items())]
     parts += [f"replica {r} in a Sendrecv with replica {x.peer}" for r, x in sorted(hub._p2p.items())]
     parts += hub.groups.describe() if hub.groups is not None else []
+    parts += [f"replica {r} polling" for r in sorted(hub._paused)] + hub.mail.describe()
     parts += [f"replica {r} finished" for r in sorted(results)]
     return "; ".join(parts)
 
@@ -441,7 +439,7 @@ class _Done:
         return True
 
 
-class ReplicaWorld(LogicalRanks):
+class ReplicaWorld(AsyncCalls, LogicalRanks):
     """One replica's view of the job: ``World``'s calls, over N logical replicas, completed by the ``Hub``."""
 
     shrinks = False
@@ -454,6 +452,7 @@ class ReplicaWorld(LogicalRanks):
         self.watchdog = _QuietWatchdog()
         self.processes = hub.placement.processes
         self.process = hub.world.rank
+        self._posted = []  # protocol async: this replica's control messages in flight (hub_async.py)
 
     # ------------------------------------------------------------ who
 
@@ -513,10 +512,24 @@ class ReplicaWorld(LogicalRanks):
         raise ConfigError(f"this run directory was left by the survivors of a lost rank ({len(members)} of {size} "
                           "replicas); resume it with one process per surviving replica")
 
-    def _unsupported(self, *args, **kwargs):
-        raise ConfigError("protocol=async runs one replica per MPI process")
+    @property
+    def process_idle(self) -> float:  # type: ignore[override]
+        return self.hub.idle_s
 
-    post_ints = poll_ints = recv_ints = complete_posts = ibarrier = _unsupported
+    @property
+    def process_block(self) -> List[int]:
+        return list(self.hub.block)
+
+    def process_heads(self) -> List[int]:
+        """The first replica alive of every other process (each hears a stop for its whole process)."""
+        alive, place = self.alive, self.hub.placement
+        firsts = [next((r for r in place.block(p) if alive[r]), None) for p in range(place.processes)]
+        return [r for r in firsts if r is not None and r not in self.hub.block_set]
+
+    @property
+    def flags(self) -> set:
+        """What the replicas of this process have heard, shared by all of them (protocol async: a stop)."""
+        return self.hub.flags
 
     # ------------------------------------------------------------ collectives (counted as World counts them)
 
@@ -651,6 +664,42 @@ class ReplicaWorld(LogicalRanks):
         self._swap_arrays(send, recv, peer, tag)
         self.bytes_sent += send.nbytes
         return recv
+
+
+def bcast_of(hub: Hub, ops: List[Collective]) -> List[Any]:
+    """A hub's Bcast: from the root replica's process to every process, then to every replica here."""
+    root = ops[0].root
+    proc = hub.placement.process_of(root)
+    values = [op.value for op in ops]
+    mine = values[hub.block.index(root)] if root in hub.block else values[0]
+    if isinstance(mine, torch.Tensor):
+        buf = mine.detach().clone()
+        hub.world.bcast_(buf, root=proc)
+        for v in values:
+            v.copy_(buf)
+        return values
+    shape, dtype = ops[0].value[1], ops[0].value[2]
+    arr = mine[0] if root in hub.block else None
+    got = hub.world.bcast_array(arr, shape, dtype, root=proc, what=ops[0].what)
+    return [got.copy() for _ in ops]
+
+def gather_rows_of(hub: Hub, ops: List[Collective]) -> List[Any]:
+    """A hub's Gatherv of log rows: every replica's block, at the root replica (one per replica, rank order)."""
+    root = ops[0].root
+    rows = [np.ascontiguousarray(op.value, dtype=np.float64) for op in ops]
+    width = rows[0].shape[1] if rows[0].ndim == 2 else 0
+    counts = hub.world.allgather(np.array([r.shape[0] if width else 0 for r in rows], dtype=np.int64))
+    local = np.concatenate([r.reshape(-1, width) for r in rows]) if width else np.zeros((0, 0))
+    blocks = hub.world.gather_rows(local, root=hub.placement.process_of(root))
+    out: List[Any] = [None] * len(ops)
+    if blocks is not None:
+        per: List[np.ndarray] = []
+        for p, block in enumerate(blocks):
+            offsets = np.concatenate([[0], np.cumsum(counts[p])])
+            for k in range(len(counts[p])):
+                per.append(block[offsets[k]: offsets[k + 1]] if width else np.zeros((0, 0)))
+        out[hub.block.index(root)] = per
+    return out
 
 
 def waitsome(MPI, requests: list) -> None:

@@ -17,7 +17,7 @@ from communities import config
 from communities.core.groups import GroupLayout, tree_mean_rows
 from communities.core.placement import tree_sum
 from communities.errors import ConfigError, Disagreement
-from communities.refusals import check_placement, group_placement_problem
+from communities.refusals import check_placement, group_placement_problem, placement_refusal
 from communities.runtime import population
 from communities.runtime.comm import World
 from communities.runtime.groups import build_groups
@@ -82,12 +82,12 @@ def test_the_config_refuses_groups_where_they_cannot_work_naming_the_key():
     with pytest.raises(ConfigError, match=r"train.group_size=3 is refused with world_size=8 \(a group size must"):
         _cfg(world_size=8, train__group_size=3)
     for key, value, named in (("strategy", "allreduce", "strategy='allreduce'"),
-                              ("protocol", "async", "protocol='async'"),
                               ("examples__track", True, "examples.track"),
-                              ("faults__hostile_rank", 1, "faults.hostile_rank"),
-                              ("comm__fault_tolerance", "shrink", "comm.fault_tolerance='shrink'")):
+                              ("faults__hostile_rank", 1, "faults.hostile_rank")):
         with pytest.raises(ConfigError, match=r"train.group_size=2 is refused with " + named.replace(".", r"\.")):
             _cfg(**{"train__group_size": 2, "strategy": "community", key: value})
+    # protocol async: a group must lie inside a process, which the placement decides (refusals.placement_refusal)
+    assert _cfg(train__group_size=2, strategy="community", protocol="async").protocol == "async"
     cfg = _cfg(train__group_size=2, strategy="community")
     with pytest.raises(ConfigError, match="leaves 1 group"):
         cfg.check_world(2)
@@ -98,6 +98,16 @@ def test_a_population_refuses_groups_that_straddle_its_blocks():
     with pytest.raises(ConfigError, match=r"train.group_size=4 with world_size=24 on 4 processes"):
         check_placement(_cfg(world_size=24, train__group_size=4), 4)
     assert check_placement(_cfg(world_size=24, train__group_size=3), 4) == 24
+
+
+def test_a_lost_member_leaves_its_group_except_where_groups_span_processes():
+    """comm.fault_tolerance shrink with groups: a group inside a process, or one replica per process, goes on
+    without a lost member (tests/mpi/test_groups_mpi.py); a group spanning processes is refused, naming the key."""
+    shrink = dict(comm__fault_tolerance="shrink", strategy="community")
+    assert placement_refusal(_cfg(world_size=16, train__group_size=2, **shrink), 4) is None
+    assert placement_refusal(_cfg(world_size=16, train__group_size=2, **shrink), 16) is None
+    why = placement_refusal(_cfg(world_size=16, train__group_size=8, **shrink), 4)
+    assert why is not None and "train.group_size=8" in why and "comm.fault_tolerance=shrink" in why
 
 
 # ---------------------------------------------------------------- inside a group: the hub's tree

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from communities.core.placement import tree_sum
-from communities.errors import ConfigError, Disagreement
+from communities.errors import Disagreement
 from communities.runtime import population
 from communities.runtime.comm import World
 from communities.runtime.tags import Tag
@@ -196,8 +196,24 @@ def test_shared_work_is_computed_again_after_a_loss(world):
 
 def test_a_replica_world_refuses_the_async_calls(world):
     def replica(w):
-        with pytest.raises(ConfigError, match="protocol=async"):
-            w.post_ints(np.zeros(1), 0, 1)
-        return True
+        peer = w.rank ^ 1
+        for k in range(3):
+            w.post_ints(np.array([w.rank, k], dtype=np.int64), peer, Tag.CONTROL)
+        barrier = w.ibarrier()
+        got = []
+        while len(got) < 3:
+            msg = w.poll_ints(Tag.CONTROL, 2)
+            if msg is None:
+                w.pause(1e-4)
+                continue
+            got.append((msg[0], msg[1].tolist()))
+        while not barrier.Test():
+            w.pause(1e-4)
+        w.complete_posts()
+        with pytest.raises(ValueError, match="control messages only"):
+            w.post_ints(np.zeros(1), peer, Tag.HEADER)
+        return got
 
-    assert run(world, 2, replica) == [True, True]
+    out = run(world, 4, replica)
+    for r, got in enumerate(out):
+        assert got == [(r ^ 1, [r ^ 1, k]) for k in range(3)]

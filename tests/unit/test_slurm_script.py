@@ -130,8 +130,8 @@ def test_a_population_may_run_on_fewer_ranks_and_the_script_says_a_requeue_onto_
     assert "# A requeue onto fewer nodes just works for a population" in header
     assert "resumes bitwise from the\n# per-replica checkpoints" in header
     capsys.readouterr()
-    code = slurm.main_slurm([str(tiny_config), "world_size=8", "protocol=async", "--ntasks-per-node", "2",
-                             "--overwrite"])
+    code = slurm.main_slurm([str(tiny_config), "world_size=8", "protocol=async", "merge.optimizer_state=average",
+                             "--ntasks-per-node", "2", "--overwrite"])
     assert code == 2 and "is refused with protocol='async'" in capsys.readouterr().err
     assert "fewer nodes just works for a population" in " ".join(slurm.build_parser().format_help().split())
 

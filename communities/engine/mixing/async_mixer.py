@@ -175,6 +175,7 @@ class AsyncMixer(Mixer):
             kind = Kind(int(a[0]))
             if kind == Kind.STOP:
                 self.stop_received = True
+                self.world.flags.add("stop")  # (a population: heard by the process, every replica of it stops)
                 continue
             self._received(Message(kind, src, int(a[1]), int(a[2]), int(a[3])), a[CONTROL_WIDTH:])
         self._after_poll()
@@ -199,7 +200,7 @@ class AsyncMixer(Mixer):
                 self._poll_once()
                 if done():
                     break
-                time.sleep(pause)
+                self.world.pause(pause)  # (a population: the process's other replicas run meanwhile)
                 pause = min(2 * pause, POLL_MAX_S)
 
     def _act(self, out: Outcome) -> None:
@@ -279,6 +280,12 @@ class AsyncMixer(Mixer):
                 self.table.merge(incoming)
             except ValueError as exc:
                 raise RuntimeError(f"rank {self.rank}: bad signature packet from rank {partner}: {exc}") from exc
+
+    def make_record(self, flat):
+        """What this mixer's exchanges leave for the settling after a loss (``async_survival``)."""
+        from ..state.async_survival import ExchangeRecord
+
+        return ExchangeRecord(flat)
 
     # ------------------------------------------------------------------ checkpoints
 

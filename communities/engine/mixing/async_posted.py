@@ -25,13 +25,13 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from ...core import merge
+from ...core import merge, pbt
 from ...core.posted import Flight, Outcome, PostedRendezvous, flights_for
 from ...core.rendezvous import SIGNATURES_ONLY, Kind, Message
 from ...results import Event, MergeRow
 from ...runtime.comm import Tag
 from .async_mixer import CONTROL_WIDTH, POLL_MAX_S, POLL_MIN_S, RETRIES, AsyncMixer
-from .exchange import HEADER_FIELDS, Header, decide
+from .exchange import Header, decide
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +162,13 @@ class PostedMixer(AsyncMixer):
         meta = half.meta
         assert meta is not None
         with self.timer("exchange"):
-            if meta.size < 1 + HEADER_FIELDS or not np.isfinite(meta[0]):
+            width = half.mine.to_array().size  # (both sides run one config: pbt's fields on both or neither)
+            if meta.size < 1 + width or not np.isfinite(meta[0]):
                 raise RuntimeError(f"rank {self.rank}: a posted header of {meta.size} numbers from rank {peer}, "
-                                   f"expected at least {1 + HEADER_FIELDS}")
-            other = Header.from_array(meta[1:1 + HEADER_FIELDS])
+                                   f"expected at least {1 + width}")
+            other = Header.from_array(meta[1:1 + width])
             try:
-                self.table.merge(meta[1 + HEADER_FIELDS:])
+                self.table.merge(meta[1 + width:])
             except ValueError as exc:
                 raise RuntimeError(f"rank {self.rank}: bad signature packet from rank {peer}: {exc}") from exc
             del self.halves[peer]
@@ -178,7 +179,9 @@ class PostedMixer(AsyncMixer):
                 raise RuntimeError(f"rank {self.rank} holds {half.mine.size} weights but partner rank {peer} "
                                    f"holds {other.size}: the models differ")
             rule_t = min(half.unit, int(meta[0]))
-            a, event = decide(half.mine, other, mc, self.cfg.robust.diverged, rule_t)
+            alpha = self._pair_alpha(half.mine, other)
+            a, event = decide(half.mine, other, mc, self.cfg.robust.diverged, rule_t, alpha)
+            before = r.flat.clone() if self.cut is not None else None
             if event == Event.RESET:
                 distance = float(torch.dist(half.sent, half.recv))
                 r.flat.copy_(half.recv)
@@ -189,9 +192,24 @@ class PostedMixer(AsyncMixer):
                 if event == Event.MERGE and mc.optimizer_state == "reset":
                     r.opt.state.clear()
             self._spare += [half.sent, half.recv]
+            if before is not None:  # comm.fault_tolerance shrink: undone if the partner's side was cut
+                self.cut.posted((peer, half.flight.initiator, half.flight.rid), r.flat - before)
         update = a * distance if event in (Event.MERGE, Event.RESET) else 0.0
         self.record(MergeRow.pairwise(self.t, self.rank, peer, half.flight.initiator, a, update, distance,
                                       half.nbytes, event))
+        if r.hyper is not None and self.cfg.pbt.selection == "tournament" and \
+                pbt.adopts(half.mine.score, other.score, half.mine.ready, self.cfg.pbt.margin):
+            r.hyper.adopt(self.t, np.asarray(other.hyper), r.opt)  # exploit the better side's, then explore
+            self.record(MergeRow.adopted(self.t, self.rank, peer, half.flight.initiator, half.mine.score,
+                                         other.score))
+
+    def _pair_alpha(self, mine: Header, other: Header) -> Optional[float]:
+        """pbt with merge.alpha among its values: the pair's alpha (each side owns one), as a blocking exchange."""
+        hyper = self.replica.hyper
+        if hyper is None or "merge.alpha" not in hyper.names:
+            return None
+        k = hyper.names.index("merge.alpha")
+        return pbt.pair_alpha(mine.hyper[k], other.hyper[k])
 
     # ------------------------------------------------------------------ the end
 
@@ -215,5 +233,5 @@ class PostedMixer(AsyncMixer):
         with self.timer("idle"):
             while self.halves:
                 self._progress()
-                time.sleep(pause)
+                self.world.pause(pause)
                 pause = min(2 * pause, POLL_MAX_S)

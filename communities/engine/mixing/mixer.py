@@ -76,6 +76,10 @@ class Mixer:
         """Under the virtual clock the strategy takes the step; its operations record the events."""
         self.strategy.mix(t, self)
 
+    def events_since(self, mark: int) -> List[MergeRow]:
+        """The merge events recorded since the ``mark``-th of this unit's (a group's lead tells its members)."""
+        return self._events[mark:]
+
     def record(self, row: MergeRow) -> None:
         """A merge event of this unit's step (the strategies' own: ifca), returned by ``mix``."""
         self._events.append(row)

@@ -45,9 +45,10 @@ class WallSnapshots:
             with world.monitoring():
                 world.allreduce_sum_(mean)
                 units = world.allreduce_scalar(float(self.units[k]))
-            mean.div_(world.size)
-            acc, loss = evaluate(mean)
-            rows.append({"t": int(round(units / world.size)), "wall": k * self.every, "test_acc": acc,
+            mean.div_(world.n_alive)  # (the ranks alive: a lost rank's snapshots are gone with it)
+            # the same bits on every replica of a population: scored once per process
+            acc, loss = world.shared(("snapshot", k), lambda mean=mean: evaluate(mean))
+            rows.append({"t": int(round(units / world.n_alive)), "wall": k * self.every, "test_acc": acc,
                          "test_loss": loss})
         return rows
 

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # What each rank reports at the end, gathered as one float64 row per rank
 FINAL_FIELDS = ("test_acc", "distance", "bytes_sent", "wall", "bytes_monitoring", "bytes_data", "units",
-                "bytes_in_process", "test_loss", "bytes_in_group", "process_waited") + TIME_CATEGORIES
+                "bytes_in_process", "test_loss", "bytes_in_group", "process_waited", "process_idle") + TIME_CATEGORIES
 LOG_FILES = ("metrics.jsonl", "merges.jsonl", "consensus.jsonl", "examples.jsonl", "views.jsonl")
 DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_epsilon")  # privacy.enabled
 
@@ -84,6 +84,13 @@ class RunLog:
         self.metric_rows.append(row)
         if self.hyper_names:
             self.hyper_rows.append(np.asarray(hyper, dtype=np.float64).reshape(len(self.hyper_names)))
+
+    def drop_after(self, t: int) -> None:
+        """Forget the buffered rows of units after t (async, after a loss: those units are trained again)."""
+        keep = [k for k, row in enumerate(self.metric_rows) if row.t <= t]
+        self.metric_rows = [self.metric_rows[k] for k in keep]
+        if self.hyper_rows:
+            self.hyper_rows = [self.hyper_rows[k] for k in keep]
 
     def merges(self, rows: List[MergeRow]) -> List[MergeRow]:
         if self.logs_merges:
@@ -244,7 +251,7 @@ class RunLog:
         mine = {"test_acc": test_acc, "test_loss": test_loss, "distance": distance, "bytes_sent": w.bytes_sent,
                 "wall": self.timer.elapsed(), "bytes_monitoring": w.bytes_monitoring, "bytes_data": w.bytes_data,
                 "units": run["units"], "bytes_in_process": w.bytes_in_process, "bytes_in_group": w.bytes_in_group,
-                "process_waited": self.timer.process_waited(), **self.timer.split()}
+                "process_waited": self.timer.process_waited(), "process_idle": w.process_idle, **self.timer.split()}
         mine.update({f: (dp or {}).get(f, float("nan")) for f in DP_FIELDS})
         row = np.array([[mine[f] for f in FINAL_FIELDS + DP_FIELDS]], dtype=np.float64)
         ex = tracker.stats().reshape(1, -1) if tracker is not None else np.zeros((1, 0))
@@ -255,7 +262,8 @@ class RunLog:
         hyper_rows = w.gather_rows(np.asarray(hyper, dtype=np.float64).reshape(1, -1)) if self.hyper_names else None
         view_rows = None
         if views is not None:  # rows of (round, t, wall, N labels)
-            view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + w.size))
+            ranks = w.size // self.cfg.train.group_size  # (a view labels the groups)
+            view_rows = w.gather_rows(np.asarray(views, dtype=np.float64).reshape(len(views), 3 + ranks))
         if self.writer is None or gathered is None:  # not rank 0
             return None
         g = dict(zip(FINAL_FIELDS + DP_FIELDS, np.concatenate(gathered).T))  # one column per field, one entry per rank
@@ -278,7 +286,7 @@ class RunLog:
             protocol=self.cfg.protocol,
             view_agreement=self._views(view_rows) if view_rows is not None else None,
             placement=placement_summary(w.processes, w.size, g),
-            groups=group_summary(self.cfg.train.group_size, g),
+            groups=group_summary(self.cfg.train.group_size, g, np.flatnonzero(w.alive)),
             privacy=self._privacy_summary(g) if dp is not None else None,
             pbt=(pbt.summary(self.hyper_names, np.concatenate(hyper_rows), labels)
                  if hyper_rows is not None else None),
@@ -481,14 +489,16 @@ def lm_lines(s: Summary, lm: LanguageModel, on: str = "") -> List[str]:
             f"rank test loss           {ranks}; next-token accuracy mean {s.mean_rank_acc:.4f}"]
 
 
-def group_summary(size: int, g: Dict[str, np.ndarray]) -> Optional[dict]:
+def group_summary(size: int, g: Dict[str, np.ndarray], ranks: Optional[np.ndarray] = None) -> Optional[dict]:
     """Data-parallel groups (train.group_size > 1): bytes inside groups (every step's gradient average, the leads'
     copies to their members) against bytes between groups (what the method sends: merges, signatures, averages)."""
     if size <= 1:
         return None
     inside = g["bytes_in_group"]
     between = g["bytes_sent"] - inside
-    per_group = between.reshape(-1, size).sum(axis=1)
+    # (the replicas alive, in rank order: a lost member's group sums its survivors')
+    of = np.asarray(ranks if ranks is not None else np.arange(len(between))) // size
+    per_group = np.bincount(of, weights=between)[np.unique(of)]
     return {"size": size, "groups": len(per_group), "bytes_in_group_mean": float(inside.mean()),
             "bytes_between_groups_mean": float(between.mean()),
             "bytes_between_groups_per_group_mean": float(per_group.mean())}
@@ -514,9 +524,12 @@ def placement_summary(processes: int, replicas: int, g: Dict[str, np.ndarray]) -
     def listed(a: np.ndarray) -> List[float]:
         return [float(x) for x in a]
 
+    # the hub's own idle time (it waited on other processes, polling included under protocol async)
+    idle = by_process("process_idle").max(axis=1)
     return {"processes": processes, "replicas_per_process": per,
             "bytes_network_mean": float((g["bytes_sent"] - g["bytes_in_process"]).mean()),
             "bytes_in_process_mean": float(g["bytes_in_process"].mean()),
             "train_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(train, wall)],
             "wall_per_process": listed(wall), "train_per_process": listed(train), "eval_per_process": listed(evals),
-            "waiting_per_process": listed(waiting), "other_per_process": listed(other)}
+            "waiting_per_process": listed(waiting), "other_per_process": listed(other),
+            "idle_share_per_process": [float(a / b) if b > 0 else 0.0 for a, b in zip(idle, wall)]}

@@ -28,12 +28,22 @@ class GroupMember:
         self.intra, self.timer = groups.intra, timer
         self.size = groups.layout.size
         self.lead = groups.lead_member  # the lead's place in the group: whose buffers and initial weights count
+        self._groups = groups
         self.owner, self.owners = groups.rank, groups.size  # the group, and how many: who owns pbt values
         # an epoch unit: every replica takes the longest shard's steps, as a per-step collective needs
         self.steps: Optional[int] = (train.lockstep_steps(shard_sizes, train_cfg.batch_size)
                                      if train_cfg.unit == "epoch" else None)
         self.samples = 0  # the group's samples in all (merge.rule clock)
         self.loss = float("nan")  # its members' mean recent training loss (merge.rule loss)
+
+    def refresh(self) -> None:
+        """After a lost member (comm.fault_tolerance shrink): the calls inside the group rebuilt, the gradient
+        averaged over the members alive, a new lead where the lead was lost."""
+        groups = self._groups
+        self.intra = groups.intra
+        base, members = groups.base, groups.layout.members(groups.rank)
+        self.size = sum(1 for r in members if base.alive[r])
+        self.lead = groups.lead_member
 
     def share_initial(self, flat: torch.Tensor) -> None:
         """A group is one model: its members start from their lead's weights (model.init other than shared)."""

@@ -346,10 +346,12 @@ def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: Replic
     mode = cfg.train.vectorize
     if mode == "off":
         return False
+    # (protocol async in a population serves between stacked units: the process's replicas train together; with
+    # one replica per process it serves between batches. faults.speed and jitter slow a stacked unit as a whole.)
+    population = world.processes < world.size
     inside = [key for key, on in (("examples.track", cfg.examples.track),
-                                  ("protocol=async", cfg.protocol == "async"),
+                                  ("protocol=async", cfg.protocol == "async" and not population),
                                   ("privacy.enabled", cfg.privacy.enabled),
-                                  ("faults.speed", bool(cfg.faults.speed)), ("faults.jitter", cfg.faults.jitter > 0),
                                   ("train.schedule or train.warmup", train.scheduled(cfg.train)),
                                   (f"data.dataset={cfg.data.dataset}", placed.dataset.sequence))
               if on]

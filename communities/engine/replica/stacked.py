@@ -32,8 +32,13 @@ def train_together(replica: Any, t: int, steps: Optional[int]) -> train.UnitResu
     across = r.world.across_processes(size) if size > 1 else None
 
     def step(members: List[vectorized.Member]) -> list:
-        return vectorized.train_members(trainer(r, len(members)), members, cfg.seed, t, steps, group_size=size,
-                                        across=across)
+        start = time.perf_counter()
+        out = vectorized.train_members(trainer(r, len(members)), members, cfg.seed, t, steps, group_size=size,
+                                       across=across)
+        # faults.speed / jitter act on the process: its stacked unit is slowed, and counted as training
+        r.faults.slow_stacked(t, time.perf_counter() - start, max((res.steps for res, _ in out), default=0))
+        share = (time.perf_counter() - start) / max(len(members), 1)
+        return [(res, share) for res, _ in out]
 
     with r.timer("idle"):
         res, seconds = r.world.together(("train", t), member, step)

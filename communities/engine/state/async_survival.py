@@ -31,11 +31,12 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import numpy as np
 import torch
 
+from ...core.posted import MAX_FLIGHTS
 from ...manifest import COMPLETE
 from ...runtime.comm import RankLost
 from .survival import Survival
@@ -73,10 +74,14 @@ class ExchangeRecord:
         except RankLost:
             self.flat.copy_(before)  # no half-received (half-merged, when chunked) buffer stays
             raise
-        self.merged[(partner, initiator, rid)] = self.flat.detach() - before
+        self.posted((partner, initiator, rid), self.flat.detach() - before)
+        self.last = (partner, initiator, rid, 1)
+
+    def posted(self, key: Tuple[int, int, int], displacement: torch.Tensor) -> None:
+        """A merge done here (a blocking exchange's, or a posted one's when both halves arrived): kept to undo."""
+        self.merged[key] = displacement
         while len(self.merged) > self.keep:
             self.merged.popitem(last=False)
-        self.last = (partner, initiator, rid, 1)
 
     def row(self) -> np.ndarray:
         return np.asarray(self.last, dtype=np.float64)
@@ -96,15 +101,51 @@ class ExchangeRecord:
         return undone
 
 
+class PostedRecord(ExchangeRecord):
+    """``ExchangeRecord`` for a mixer with posted exchanges too (a population's, between processes): its row also
+    names the exchanges this side committed to and has not merged (``pending``: (partner, initiator, rid)).
+
+    After a loss each such exchange is void: the survivors drop their halves in flight, and a partner that did
+    merge it (this side's half had reached it) undoes its displacement when it reads this row."""
+
+    FLIGHTS = MAX_FLIGHTS + 1  # (a late answer honoured may add one to the cap)
+
+    def __init__(self, flat: torch.Tensor, pending: Callable[[], List[Tuple[int, int, int]]]):
+        super().__init__(flat)
+        self.pending = pending
+
+    def row(self) -> np.ndarray:
+        out = np.full(4 + 3 * self.FLIGHTS, -1.0)
+        out[:4] = self.last
+        for k, flight in enumerate(self.pending()[: self.FLIGHTS]):
+            out[4 + 3 * k: 7 + 3 * k] = flight
+        return out
+
+    def settle(self, rows: np.ndarray, rank: int, alive: np.ndarray) -> List[int]:
+        undone = super().settle(rows[:, :4], rank, alive)
+        for p in np.flatnonzero(alive):
+            if p == rank:
+                continue
+            for partner, initiator, rid in rows[p, 4:].reshape(-1, 3).astype(np.int64).tolist():
+                if partner != rank:
+                    continue
+                displacement = self.merged.pop((int(p), initiator, rid), None)
+                if displacement is not None:
+                    self.flat.sub_(displacement)
+                    undone.append(int(p))
+        return undone
+
+
 class AsyncSurvival(Survival):
     """``Survival`` for ``protocol: async``: the survivors settle and go on; nothing is rolled back."""
 
     def __init__(self, world, parts, *, replica, lost_shard: str, rewind, log_lost, take_over, mixer, logged_t,
-                 run_dir):
+                 run_dir, drop_rows: Callable[[int], None] = lambda t: None,
+                 on_shrink: Callable[[str], None] = lambda stage: None):
         super().__init__(world, parts, replica=replica, lost_shard=lost_shard, rewind=rewind, log_lost=log_lost,
-                         take_over=take_over)
-        self.mixer, self._logged_t, self.run_dir = mixer, logged_t, run_dir
-        self.record = mixer.cut = ExchangeRecord(replica.flat)
+                         take_over=take_over, on_shrink=on_shrink)
+        self.mixer, self._logged_t, self.run_dir, self._drop_rows = mixer, logged_t, run_dir, drop_rows
+        self.record = mixer.cut = mixer.make_record(replica.flat)
 
     def remember(self, t: int) -> None:
         """No copies: an async run is never rolled back."""
@@ -118,13 +159,18 @@ class AsyncSurvival(Survival):
         t = self._logged_t()
         while True:
             try:
+                self.on_shrink("before")
                 lost += world.recover()
+                self.on_shrink("after")
                 rows = world.allgather(self.record.row())  # every survivor's last exchange
+                # a population's replicas train together: they go on from the same unit (the earliest logged)
+                t = world.together(("go on from", len(lost)), t, lambda units: [min(units)] * len(units))
                 if not world.alive[writer]:
                     self._new_writer(t, sorted(lost), writer)
                 break
             except RankLost as again:
                 log.warning(f"communities: rank {world.rank}: another failure while recovering ({again})")
+        self._drop_rows(t)  # (a replica that had logged a later unit trains it again)
         undone = self.record.settle(rows, world.rank, world.alive)
         if undone:
             log.warning(f"communities: rank {world.rank}: its exchange with rank{'s' if len(undone) > 1 else ''} "

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -79,8 +79,10 @@ class Survival(NoSurvival):
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
     def __init__(self, world: World, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost,
-                 take_over):
+                 take_over, on_shrink: Callable[[str], None] = lambda stage: None):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
+        # before each shrink and right after it (data-parallel groups: their communicators revoked, then rebuilt)
+        self.on_shrink = on_shrink
         self._rewind, self._log_lost = rewind, log_lost  # the lead: drop rows after t; write the LOST rows
         self._take_over = take_over  # the new lead, when the writer was lost: (t, lost) -> it writes from now on
         self.copies: List[Tuple[int, bytes]] = []
@@ -105,7 +107,9 @@ class Survival(NoSurvival):
         lost: List[int] = []
         while True:
             try:
+                self.on_shrink("before")
                 lost += world.recover()
+                self.on_shrink("after")
                 t = int(world.allreduce_scalar(float(self.copies[-1][0]), "min"))
                 if not world.alive[writer]:
                     self._new_writer(t, sorted(lost), writer)
@@ -126,8 +130,8 @@ class Survival(NoSurvival):
         """A recovery's records (who was lost, who adopted what, its timing); the lead puts the run directory
         back in order (``_tidy``), writes the lost rows and says what happened."""
         world = self.world
-        for rank in lost:
-            self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank)})
+        for k, rank in enumerate(lost):
+            self.lost.append({"rank": int(rank), "t": t, "adopted_by": self._adopt(rank, k, len(lost))})
         recovered = time.time()
         self.recoveries.append({"lost": [int(r) for r in lost], "t": t, "survivors": int(world.n_alive),
                                 "writer": int(world.lead), "detected_wall": detected, "recovered_wall": recovered,
@@ -162,12 +166,15 @@ class Survival(NoSurvival):
                              f"not take it over ({problem}): the survivors stop (resume from the last checkpoint "
                              "with --resume)")
 
-    def _adopt(self, rank: int) -> Optional[int]:
-        """comm.lost_shard adopt: the next rank alive after ``rank`` adds its shard (and what it had adopted)."""
+    def _adopt(self, rank: int, k: int = 0, count: int = 1) -> Optional[int]:
+        """comm.lost_shard adopt: the next rank alive after ``rank`` adds its shard (and what it had adopted). In a
+        population a lost process takes a block: its ``count`` replicas (``rank`` the k-th) go to survivors spread
+        over the whole world, so that no process's stacked unit grows by a whole block of shards."""
         if self.policy != "adopt":
             return None
         alive = np.flatnonzero(self.world.alive)
-        heir = int(alive[np.searchsorted(alive, rank) % len(alive)])
+        stride = max(1, len(alive) // max(count, 1)) if self.world.processes < self.world.size else 0
+        heir = int(alive[(np.searchsorted(alive, rank) + k * stride) % len(alive)])
         if heir == self.world.rank:
             held = [rank] + [e["rank"] for e in self.lost if e.get("adopted_by") == rank]
             self.replica.adopt(held)

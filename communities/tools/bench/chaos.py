@@ -1,5 +1,8 @@
 """``communities bench chaos``: a soak under ULFM in which ranks are killed from outside, one every few seconds.
 
+With ``--replicas R --processes P`` the job is a population (R replicas on P processes): each kill takes a
+process and its block of R/P replicas, and the replicas the run reports lost must be exactly those blocks.
+
 Why: a test that kills one chosen rank at one chosen point proves one path; users of elastic training trust
 a job that keeps going while workers die at any moment, the writer included. So the launcher side here
 starts a job with ``comm.fault_tolerance: shrink`` under Open MPI's ULFM, waits for its first signature
@@ -90,7 +93,13 @@ def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random
     return kills
 
 
-def verdict(run: Path, kills: List[dict], returncode: int) -> dict:
+def lost_replicas(kills: List[dict], processes: int, replicas: int) -> List[int]:
+    """The replicas a run must report lost: every replica of each process killed (a population's block)."""
+    per = replicas // processes
+    return sorted(r for k in kills for r in range(k["rank"] * per, (k["rank"] + 1) * per))
+
+
+def verdict(run: Path, kills: List[dict], returncode: int, processes: int, replicas: int) -> dict:
     """What the soak's run directory shows: the audit, inspect's exit, who was lost, who wrote."""
     from ...report.audit import audit
 
@@ -104,8 +113,9 @@ def verdict(run: Path, kills: List[dict], returncode: int) -> dict:
     recoveries = membership.get("recoveries", [])
     return {"exit": returncode, "problems": problems, "inspect_exit": res.returncode,
             "inspect_error": res.stderr.strip().splitlines()[-1:] if res.returncode else [],
-            "killed": sorted(k["rank"] for k in kills), "lost": lost, "lost_as_killed": lost == sorted(
-                k["rank"] for k in kills), "writers": [w["rank"] for w in meta.get("writers", [])],
+            "killed": sorted(k["rank"] for k in kills), "lost": lost,
+            "lost_as_killed": lost == lost_replicas(kills, processes, replicas),
+            "writers": [w["rank"] for w in meta.get("writers", [])],
             "recoveries": len(recoveries), "survivors": len(membership.get("survivors", [])),
             "recover_s": [round(r["recovered_wall"] - r["detected_wall"], 3) for r in recoveries],
             "consensus_test_acc": s.get("consensus_test_acc"), "units": s.get("units")}
@@ -116,13 +126,19 @@ def bench_chaos(args) -> int:
     mpiexec = require_mpiexec(args.mpiexec, "communities bench chaos")
     root = Path(args.output_root or tempfile.mkdtemp(prefix="communities-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"communities bench chaos: {args.ranks} ranks, a SIGKILL every {args.every[0]:g}-{args.every[1]:g} s "
-          f"until {args.keep} remain; {machine_load()}; runs in {root}")
+    processes = args.processes or args.ranks  # a population: --replicas on --processes (a kill takes a block)
+    replicas = args.replicas or processes
+    if replicas % processes:
+        print(f"communities bench chaos: --replicas {replicas} is not a multiple of --processes {processes}")
+        return 2
+    what = f"{processes} ranks" if replicas == processes else f"{replicas} replicas on {processes} processes"
+    print(f"communities bench chaos: {what}, a SIGKILL every {args.every[0]:g}-{args.every[1]:g} s "
+          f"until {args.keep} processes remain; {machine_load()}; runs in {root}")
     rows, out = [], []
     ok = True
     for protocol in args.protocols:
-        sets = [f"world_size={args.ranks}", *PROTOCOLS[protocol], *args.set]
-        clean = launch(mpiexec, args.ranks, args.config, root, f"{protocol}_clean", sets)
+        sets = [f"world_size={replicas}", *PROTOCOLS[protocol], *args.set]
+        clean = launch(mpiexec, processes, args.config, root, f"{protocol}_clean", sets)
         try:
             clean.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -134,18 +150,18 @@ def bench_chaos(args) -> int:
             ok = False
             continue
         t0 = time.monotonic()
-        proc = launch(mpiexec, args.ranks, args.config, root, f"{protocol}_chaos", sets)
+        proc = launch(mpiexec, processes, args.config, root, f"{protocol}_chaos", sets)
         rng = random.Random(args.seed)
-        writer_kill = rng.randrange(args.ranks - args.keep) if args.kill_writer else None
+        writer_kill = rng.randrange(processes - args.keep) if args.kill_writer else None
         kills = soak(proc, root / f"{protocol}_chaos", args.keep, args.every, rng, args.timeout, writer_kill)
         wall = time.monotonic() - t0
-        v = verdict(root / f"{protocol}_chaos", kills, proc.returncode)
+        v = verdict(root / f"{protocol}_chaos", kills, proc.returncode, processes, replicas)
         v.update(protocol=protocol, kills=kills, wall_s=round(wall, 1), clean_wall_s=base.get("wall_time"),
                  clean_consensus_test_acc=base.get("consensus_test_acc"))
         acc, ref = v["consensus_test_acc"], v["clean_consensus_test_acc"]
         delta = None if acc is None or ref is None else 100 * (acc - ref)
         good = (v["exit"] == 0 and not v["problems"] and v["inspect_exit"] == 0 and v["lost_as_killed"]
-                and len(kills) == args.ranks - args.keep and delta is not None and delta >= -args.tolerance)
+                and len(kills) == processes - args.keep and delta is not None and delta >= -args.tolerance)
         ok &= good
         v["delta_points"], v["pass"] = delta, good
         out.append(v)
@@ -162,7 +178,8 @@ def bench_chaos(args) -> int:
             print((root / f"{protocol}_chaos.err").read_text()[-2000:])
     print(fmt_table(["protocol", "kills", "of the writer", "writers", "exit", "damaged", "inspect", "lost = killed",
                       "no-kill acc", "chaos acc", "Δ points", "max shrink s", "wall s", "verdict"], rows))
-    write_json(args.json, {"ranks": args.ranks, "keep": args.keep, "every": args.every, "runs": out})
+    write_json(args.json, {"ranks": processes, "replicas": replicas, "keep": args.keep, "every": args.every,
+                           "runs": out})
     if not args.output_root:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if ok else 1
@@ -173,7 +190,11 @@ def add_parser(sub) -> None:
                                      "until N remain; check the run directory and the consensus")
     p.add_argument("--config", default="configs/quickstart.yaml")
     p.add_argument("--ranks", type=int, default=16)
-    p.add_argument("--keep", type=int, default=8, help="stop killing when this many ranks remain")
+    p.add_argument("--keep", type=int, default=8, help="stop killing when this many ranks (processes) remain")
+    p.add_argument("--processes", type=int, default=None, help="MPI processes (default: --ranks)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="a population: this many replicas on --processes processes (world_size); a kill takes a "
+                        "process and its block of replicas, which must be exactly the replicas reported lost")
     p.add_argument("--every", type=float, nargs=2, default=[5.0, 10.0], metavar=("LO", "HI"),
                    help="seconds between kills, uniform in [LO, HI]")
     p.add_argument("--protocols", nargs="+", default=["sync", "async"], choices=sorted(PROTOCOLS))

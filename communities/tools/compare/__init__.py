@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launch prefix replacing mpiexec, e.g. 'srun --mpi=pmix -n {n}' (overrides the spec's)")
     p.add_argument("--only", nargs="+", default=None, metavar="LABEL", help="only these strategies of the spec")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="only these seeds (default: the spec's)")
+    p.add_argument("--cases", nargs="+", default=None, metavar="CASE", help="only these cases of a spec with cases")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (overrides the spec's)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failed run")
     return p
@@ -68,6 +69,13 @@ def main_compare(argv: Optional[List[str]] = None) -> int:
     except SpecError as exc:
         print(f"communities compare: error: {exc}", file=sys.stderr)
         return EXIT_USER
+    if args.cases:  # a multi-case spec: only these cases (named as in results/<spec>_<case>/)
+        names = {s.name for s in specs}
+        missing = sorted({c for c in args.cases if c not in names and not any(n.endswith(f"_{c}") for n in names)})
+        if missing:
+            print(f"communities compare: error: --cases {missing}: not among {sorted(names)}", file=sys.stderr)
+            return EXIT_USER
+        specs = [s for s in specs if s.name in args.cases or any(s.name.endswith(f"_{c}") for c in args.cases)]
     rc = 0
     for spec in specs:
         rc = max(rc, compare_one(spec, args))

@@ -160,7 +160,8 @@ def _wall_at_unit(metrics: List[dict]):
 
 
 def idle_share(path: Path, summary) -> Optional[float]:
-    """The mean idle share of wall time over the ranks that were not slowed down on purpose (faults.speed)."""
+    """The mean idle share of wall time over the ranks that were not slowed down on purpose (faults.speed); in a
+    population, over the processes none of whose replicas was (the process's idle time: ``placement``)."""
     per = summary.time_split_per_rank
     if not per or "idle" not in per:
         return None
@@ -170,6 +171,11 @@ def idle_share(path: Path, summary) -> Optional[float]:
         slowed = set((yaml.safe_load((path / "config.yaml").read_text()) or {}).get("faults", {}).get("speed") or {})
     except (OSError, ValueError):
         slowed = set()
+    place = getattr(summary, "placement", None)
+    if place and place.get("idle_share_per_process"):  # a population: a slowed replica slows its whole process
+        shares, block = place["idle_share_per_process"], int(place["replicas_per_process"])
+        procs = [p for p in range(len(shares)) if p not in {r // block for r in slowed}] or list(range(len(shares)))
+        return float(np.mean([shares[p] for p in procs]))
     ranks = [r for r in range(len(per["wall"])) if r not in slowed] or list(range(len(per["wall"])))
     return float(np.mean([per["idle"][r] / per["wall"][r] for r in ranks if per["wall"][r] > 0]))
 
