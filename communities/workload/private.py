@@ -90,19 +90,21 @@ def per_example_method(model: nn.Module) -> str:
 
 
 def check_model(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor, per_example: str = "vmap") -> None:
-    """refuse_model, then per-example gradients of two examples: a model torch.func cannot take fails here,
+    """refuse_model, then per-example gradients of two examples: a model the method cannot take fails here,
     naming privacy.enabled, before any training."""
     refuse_model(model, name)
+    method = per_example if per_example != "auto" else per_example_method(model)
     try:
         probe = PrivateGradient(model, max_grad_norm=1.0, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
-                                per_example=per_example)
+                                per_example=method)
         norms = probe.norms(x[:2], y[:2])
         probe.close()
         model.zero_grad(set_to_none=True)
-    except Exception as exc:  # the user's forward() under vmap: one line naming the model
-        how = "torch.func (vmap of grad)" if probe.per_example == "vmap" else "Opacus's hooks"
+    except Exception as exc:  # the user's forward() under vmap or the hooks: one line naming the model
+        how = {"vmap": "torch.func (vmap of grad)", "hooks": "Opacus's hooks",
+               "ghost": "ghost clipping (Opacus's norm and grad samplers)"}[method]
         raise ConfigError(f"privacy.enabled=true needs per-example gradients of model.name={name!r} through "
-                          f"{how} (privacy.per_example), which raised {type(exc).__name__}: {exc}") from None
+                          f"{how} (privacy.per_example={method}), which raised {type(exc).__name__}: {exc}") from None
     if not bool(torch.isfinite(norms).all()):
         raise ConfigError(f"privacy.enabled=true: model.name={name!r} gives non-finite per-example gradients at "
                           "its initial weights")

@@ -17,7 +17,7 @@ from communities import config as config_mod
 from communities.core import privacy
 from communities.errors import ConfigError
 from communities.workload import train
-from communities.workload.private import PrivateGradient, per_example_method, refuse_model
+from communities.workload.private import PrivateGradient, check_model, per_example_method, refuse_model
 
 opacus = pytest.importorskip("opacus")
 
@@ -276,3 +276,28 @@ def test_the_plan_counts_the_steps_units_take_and_names_an_unreachable_epsilon()
     tight = _cfg("privacy.enabled=true", "privacy.epsilon=0.001", "train.budget=10")
     with pytest.raises(ConfigError, match="privacy.epsilon=0.001: no noise keeps"):
         plan(tight.privacy, tight.train, 480, [480], lockstep=False)
+
+
+def test_ghost_takes_the_layers_opacus_samples_and_names_a_shared_layer_at_start_up():
+    def normed():
+        torch.manual_seed(2)
+        return nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 3))
+
+    x, y = _batch(20, seed=6)
+    theirs = _opacus_clipped_mean(normed, x, y, 0.1, 20)
+    model = normed()
+    dp = PrivateGradient(model, max_grad_norm=0.1, noise_multiplier=0.0, noise="seeded", seed=0, rank=0)
+    assert dp.per_example == "ghost"
+    dp.backward(x, y, 20.0, torch.optim.SGD(model.parameters(), lr=0.1), dp.generator(0), set_to_none=True)
+    assert float((_grad(model) - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max())
+
+    class Shared(nn.Module):  # one Linear called twice: no layer's per-example gradient is one sample
+        def __init__(self):
+            super().__init__()
+            self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.a(torch.relu(self.a(x))))
+
+    with pytest.raises(ConfigError, match="privacy.per_example"):
+        check_model(Shared(), "pkg:shared", x, y, "auto")
