@@ -662,10 +662,13 @@ class PrivacyConfig(_Section):
     report_train_loss: bool = Field(
         False, description="write each replica's training loss and accuracy on its shard to metrics.jsonl; they "
         "are not noised, and rank 0 gathers them (off: null there, and no partner is told a loss)")
-    per_example: Literal["auto", "vmap", "hooks"] = Field(
-        "auto", description="how the per-example gradient norms are computed: vmap (torch.func), hooks (Opacus's "
-        "GradSampleModule), auto: hooks when every layer with parameters is a Linear, else vmap (the faster at "
-        "batch 50, not at 200: communities bench privacy); the gradient applied is the same either way")
+    per_example: Literal["auto", "ghost", "hooks", "vmap"] = Field(
+        "auto", description="how the clipped sum of per-example gradients is computed: ghost (ghost clipping: Linear "
+        "layers' norms without their per-example gradients, Opacus's per-example gradients for other layers, one "
+        "backward), hooks (Opacus's per-example gradients for every layer, one backward), vmap (torch.func, any "
+        "model it can trace, two passes); auto: ghost when Opacus takes every layer with parameters, else vmap "
+        "(communities bench privacy); the gradient applied is the same within rounding, and the plain step's bit "
+        "for bit when no bound binds")
 
     @model_validator(mode="after")
     def _one_noise(self):

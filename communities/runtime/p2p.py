@@ -6,7 +6,7 @@ count as training traffic (a caller meters them otherwise: ``Traffic.metered``).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ import torch
 from .logical import LogicalRanks
 from .membership import Membership
 from .staging import Staging
+from .ulfm import waitsome
 from .watchdog import Watchdog
 
 
@@ -40,6 +41,41 @@ class PointToPoint(LogicalRanks):
             with self.watchdog.waiting(f"Sendrecv of weights with rank {peer}"):
                 self.comm.Sendrecv(s, dest=p, sendtag=tag, recvbuf=r, source=p, recvtag=tag)
         self.bytes_sent += send.numel() * send.element_size()
+
+    def sendrecv_parts(self, parts: Sequence[torch.Tensor], recv: torch.Tensor, peer: int, tag: int = 0) -> None:
+        """Blocking exchange with ``peer``: the bytes of the contiguous ``parts`` back to back go out, the peer's
+        land in ``recv`` (laid out the same: both sides send parts of the same sizes).
+
+        One message per part, from where it lies, all in flight at once (one
+        round trip): nothing is packed here. Measured on MPICH's shared memory
+        against an MPI datatype over the parts' addresses (``MPI.BOTTOM``, one
+        message): that ran at 0.1 to 0.45 of a contiguous Sendrecv of as many
+        bytes, these messages at 0.8 to 1.0 for a few parts (many small parts
+        cost a message each: the caller packs those). Device parts are packed
+        into one buffer on ``recv``'s device and go as ``sendrecv`` sends it.
+        """
+        if not (recv.is_contiguous() and all(t.is_contiguous() for t in parts)):
+            raise ValueError("sendrecv_parts needs contiguous tensors")
+        views = [t.reshape(-1).view(torch.uint8) for t in parts if t.numel()]
+        nbytes = sum(v.numel() for v in views)
+        if any(v.device.type != "cpu" for v in views) or recv.device.type != "cpu":
+            packed = torch.empty(nbytes, dtype=torch.uint8, device=recv.device)
+            torch.cat([v.to(recv.device) for v in views], out=packed)
+            self.sendrecv(packed, recv, peer, tag)
+            return
+        p, into = self._p(peer), recv.reshape(-1).view(torch.uint8).numpy()
+        sends = [v.numpy() for v in views]  # held until the requests complete
+        requests, offset = [], 0
+        with self._failures(f"Isend/Irecv of weights with rank {peer}"):
+            for b in sends:
+                requests.append(self.comm.Irecv(into[offset: offset + b.nbytes], source=p, tag=tag))
+                offset += b.nbytes
+            requests += [self.comm.Isend(b, dest=p, tag=tag) for b in sends]
+        with self.watchdog.waiting(f"Sendrecv of weights with rank {peer}"):
+            while requests:
+                waitsome(self.MPI, requests)
+                requests = [q for q in requests if q != self.MPI.REQUEST_NULL]
+        self.bytes_sent += nbytes
 
     def sendrecv_array(self, send: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
         """Exchange a small numeric array of the same shape and dtype with ``peer``."""

@@ -43,7 +43,7 @@ from .hub_groups import GroupCalls, GroupOp, HubGroup, color_means
 from .logical import LogicalRanks
 from .membership import Membership
 from .tags import TAG_KINDS
-from .ulfm import RankLost
+from .ulfm import RankLost, waitsome
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
 
@@ -700,21 +700,6 @@ def gather_rows_of(hub: Hub, ops: List[Collective]) -> List[Any]:
                 per.append(block[offsets[k]: offsets[k + 1]] if width else np.zeros((0, 0)))
         out[hub.block.index(root)] = per
     return out
-
-
-def waitsome(MPI, requests: list) -> None:
-    """``Request.Waitsome``, raising a failed request's own error (a lost peer's: ``ERR_PROC_FAILED``) rather
-    than ``ERR_IN_STATUS``, so that the watchdog can name it (comm.fault_tolerance shrink)."""
-    statuses = [MPI.Status() for _ in requests]
-    try:
-        MPI.Request.Waitsome(requests, statuses)
-    except MPI.Exception as exc:
-        if exc.Get_error_class() != MPI.ERR_IN_STATUS:
-            raise
-        for st in statuses:
-            if st.Get_error() != MPI.SUCCESS:
-                raise MPI.Exception(st.Get_error()) from exc
-        raise
 
 
 def run_population(world, replicas: int, target: Callable[[Any], Any]) -> List[Any]:

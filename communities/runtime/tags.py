@@ -16,6 +16,7 @@ class Tag(IntEnum):
     SIG_VERSIONS = 10  # protocol async: the versions of a rank's signature table
     SIGNATURES = 11  # protocol async: the signature rows a partner lacks
     VECTOR_SIZE = 12  # the length of a variable-length buffer that follows
+    DISTANCE = 13  # the exchange's distance: each side's half of its squared norm (engine/mixing/exchange.py)
 
 
 TAG_KINDS = 16  # message kinds (``Tag``) below this: a population's network tag is (src, dst, kind)

@@ -94,3 +94,18 @@ def shrink(old) -> Tuple[object, List[int]]:
     new.Set_errhandler(MPI.ERRORS_RETURN)
     kept = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())), old.Get_group())
     return new, list(kept)
+
+
+def waitsome(MPI, requests: list) -> None:
+    """``Request.Waitsome``, raising a failed request's own error (a lost peer's: ``ERR_PROC_FAILED``) rather
+    than ``ERR_IN_STATUS``, so that the watchdog can name it (comm.fault_tolerance shrink)."""
+    statuses = [MPI.Status() for _ in requests]
+    try:
+        MPI.Request.Waitsome(requests, statuses)
+    except MPI.Exception as exc:
+        if exc.Get_error_class() != MPI.ERR_IN_STATUS:
+            raise
+        for st in statuses:
+            if st.Get_error() != MPI.SUCCESS:
+                raise MPI.Exception(st.Get_error()) from exc
+        raise

@@ -1,40 +1,36 @@
 """DP-SGD's gradient for one replica: clip every example's gradient, sum, add Gaussian noise.
 
-Two passes per step, both exact:
-
-1. per-example gradient norms, on the replica's current weights: with
-   ``torch.func`` (``vmap(grad(...))`` over the batch), or with Opacus's
-   per-sample gradient hooks (``GradSampleModule``), picked by
-   ``privacy.per_example`` (``communities bench privacy`` times both);
-2. one ordinary backward of ``sum_i c_i * loss_i / b`` with the clipping factors
-   ``c_i = min(1, C / ||g_i||)`` held fixed, which is ``sum_i c_i g_i / b``.
-
-The second pass is the plain training step's own backward whenever no factor
-binds (every ``c_i`` is exactly 1.0), so with no noise and a bound that never
-binds a private run is bit for bit the plain run. Noise ``N(0, (sigma C)^2)``
-per coordinate is then added to the sum, and the sum divided by ``b``: the
-batch's size under ``privacy.sampling: shuffle``, the expected batch size
-(``q * n``) under Poisson sampling, as Opacus does.
+The clipped sum ``sum_i c_i g_i`` with ``c_i = min(1, C / ||g_i||)`` is
+computed exactly, one of three ways (``privacy.per_example``, the clippers of
+``clipping.py``): Opacus's fast gradient clipping (``ghost``: per-example norms
+without per-example gradients, a second backward only when a factor binds),
+Opacus's per-example gradients in one backward (``hooks``), or ``torch.func``
+(``vmap``, for models Opacus cannot take); ``auto`` picks the fastest the
+model's layers allow (``communities bench privacy`` times them against
+Opacus's own step). When no factor binds (every ``c_i`` is exactly 1.0) the
+gradient is the plain training step's own, so with no noise and a bound that
+never binds a private run is bit for bit the plain run. Noise
+``N(0, (sigma C)^2)`` per coordinate is then added to the sum, and the sum
+divided by ``b``: the batch's size under ``privacy.sampling: shuffle``, the
+expected batch size (``q * n``) under Poisson sampling, as Opacus does.
 
 Models whose forward is random (dropout) or mixes examples (batch norm) are
-refused: the norms of pass 1 must be the norms of pass 2's gradients, and an
-example's gradient must depend on that example only.
+refused: the norms must be those of the gradients applied, and an example's
+gradient must depend on that example only.
 """
 from __future__ import annotations
 
 import secrets
-import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
 from ..core import privacy, protocol
 from ..errors import ConfigError
-from . import train
+from . import clipping, train
 
 
 @dataclass(frozen=True)
@@ -87,26 +83,28 @@ def refuse_model(model: nn.Module, name: str) -> None:
 
 
 def per_example_method(model: nn.Module) -> str:
-    """privacy.per_example=auto: Opacus's hooks where every layer with parameters is a Linear, vmap otherwise:
-    the faster of the two for the built-in models at batch 50, the slower at 200 (``communities bench privacy``)."""
-    owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-    return "hooks" if owners and all(isinstance(m, nn.Linear) for m in owners) else "vmap"
+    """privacy.per_example=auto: ``ghost`` where every layer with parameters is a Linear or a layer Opacus has a
+    per-example gradient for (convolutions, norm layers, embeddings, ...), ``vmap`` otherwise: the fastest the
+    layers allow for the built-in models (``communities bench privacy``)."""
+    return "ghost" if clipping.ghost_supports(model) else "vmap"
 
 
 def check_model(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor, per_example: str = "vmap") -> None:
-    """refuse_model, then per-example gradients of two examples: a model torch.func cannot take fails here,
+    """refuse_model, then per-example gradients of two examples: a model the method cannot take fails here,
     naming privacy.enabled, before any training."""
     refuse_model(model, name)
+    method = per_example if per_example != "auto" else per_example_method(model)
     try:
         probe = PrivateGradient(model, max_grad_norm=1.0, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
-                                per_example=per_example)
+                                per_example=method)
         norms = probe.norms(x[:2], y[:2])
         probe.close()
         model.zero_grad(set_to_none=True)
-    except Exception as exc:  # the user's forward() under vmap: one line naming the model
-        how = "torch.func (vmap of grad)" if per_example != "hooks" else "Opacus's hooks"
+    except Exception as exc:  # the user's forward() under vmap or the hooks: one line naming the model
+        how = {"vmap": "torch.func (vmap of grad)", "hooks": "Opacus's hooks",
+               "ghost": "ghost clipping (Opacus's norm and grad samplers)"}[method]
         raise ConfigError(f"privacy.enabled=true needs per-example gradients of model.name={name!r} through "
-                          f"{how} (privacy.per_example), which raised {type(exc).__name__}: {exc}") from None
+                          f"{how} (privacy.per_example={method}), which raised {type(exc).__name__}: {exc}") from None
     if not bool(torch.isfinite(norms).all()):
         raise ConfigError(f"privacy.enabled=true: model.name={name!r} gives non-finite per-example gradients at "
                           "its initial weights")
@@ -116,69 +114,24 @@ class PrivateGradient:
     """Clipped, noised gradients of one replica's model (``privacy.enabled``); see the module docstring."""
 
     def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float, noise: str, seed: int,
-                 rank: int, poisson: bool = True, per_example: str = "vmap"):
+                 rank: int, poisson: bool = True, per_example: str = "auto"):
         self.model, self.poisson = model, bool(poisson)
         self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
         self.noise, self.seed, self.rank = noise, int(seed), int(rank)
         self.params = [p for p in model.parameters()]
-        self.names = [n for n, _ in model.named_parameters()]
         self.n_params = sum(p.numel() for p in self.params)
         # secret: seeded from the OS's entropy, never written or sent (a partner who knew the noise could remove it)
         self._secret = torch.Generator().manual_seed(secrets.randbits(62)) if noise == "secret" else None
-        self._per_example = vmap(grad(self._loss_of_one), in_dims=(None, None, 0, 0))
         self.per_example = per_example if per_example != "auto" else per_example_method(model)
-        self._hooked = None
-        if self.per_example == "hooks":
-            from opacus import GradSampleModule
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._hooked = GradSampleModule(model, loss_reduction="sum")
-            # hooks only inside ``norms``: registered, even disabled, they would slow every other pass
-            self._hooked.remove_hooks()
-
-    def _loss_of_one(self, params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor], x: torch.Tensor,
-                     y: torch.Tensor) -> torch.Tensor:
-        out = functional_call(self.model, (params, buffers), (x.unsqueeze(0),))
-        return F.cross_entropy(out, y.unsqueeze(0))
+        self.clipper = clipping.make(self.per_example, model, self.max_grad_norm)
 
     def norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        """Each example's gradient norm at the current weights (pass 1)."""
-        if self._hooked is not None:
-            return self._hook_norms(xb, yb)
-        params = {n: p.detach() for n, p in zip(self.names, self.params)}
-        buffers = {n: b.detach() for n, b in self.model.named_buffers()}
-        per = self._per_example(params, buffers, xb, yb)
-        sq = torch.zeros(len(yb), dtype=torch.float64, device=yb.device)
-        for g in per.values():
-            sq += torch.linalg.vector_norm(g.reshape(len(yb), -1), dim=1).double().square()
-        return sq.sqrt()
+        """Each example's gradient norm at the current weights (the caller clears the gradients left)."""
+        return self.clipper.norms(xb, yb)
 
     def close(self) -> None:
-        """Remove Opacus's hooks from the model (the start-up check's probe)."""
-        if self._hooked is not None:
-            self._hooked.del_grad_sample()
-            self._hooked = None
-
-    def _hook_norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        """Per-example norms from Opacus's grad samples (a backward of the summed loss with its hooks on);
-        the parameters' ``.grad`` it leaves behind is cleared by the caller's ``zero_grad``."""
-        hooked = self._hooked
-        assert hooked is not None
-        hooked.add_hooks(loss_reduction="sum")
-        hooked.enable_hooks()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "full backward hook is firing ... no inputs require gradients"
-                F.cross_entropy(self.model(xb), yb, reduction="sum").backward()
-            sq = torch.zeros(len(yb), dtype=torch.float64, device=yb.device)
-            for p in self.params:
-                sample = p.grad_sample  # type: ignore[attr-defined]  # Opacus's hooks set it
-                sq += torch.linalg.vector_norm(sample.reshape(len(yb), -1), dim=1).double().square()
-        finally:
-            hooked.remove_hooks()
-            hooked.set_grad_sample_to_none()
-        return sq.sqrt()
+        """Leave nothing of the clipper on the model (the start-up check's probe)."""
+        self.clipper.close()
 
     def generator(self, t: int) -> torch.Generator:
         """The unit's noise stream: secret, or keyed by (seed, t, replica) under privacy.noise='seeded'."""
@@ -195,13 +148,9 @@ class PrivateGradient:
         Poisson batch (whose gradient is the noise alone).
         """
         out = loss = None
-        if len(yb):
-            factors = privacy.clip_factors(self.norms(xb, yb), self.max_grad_norm).to(torch.float32)
         opt.zero_grad(set_to_none=set_to_none)
         if len(yb):
-            out = self.model(xb)
-            per = F.cross_entropy(out, yb, reduction="none")
-            ((per * factors.to(per.dtype)).sum() / denom).backward()
+            out = self.clipper.clipped_backward(xb, yb, float(denom))
             loss = F.cross_entropy(out.detach(), yb)
         for p in self.params:
             if p.grad is None:

@@ -75,6 +75,52 @@ def test_swap_and_merge_leaves_both_ranks_at_the_mean(tmp_path):
     assert res.stdout.count("MERGE-OK") == 2
 
 
+PARTS_SCRIPT = textwrap.dedent("""
+    import numpy as np, torch
+    from communities.core import merge
+    from communities.engine.mixing import exchange
+    from communities.runtime.comm import World
+    world = World()
+    peer = 1 - world.rank
+    g = torch.Generator().manual_seed(11)
+    big = exchange.SHARE_MIN + 3001  # parts of 1 MiB and more, and a distance split between the sides
+    sides = [(torch.randn(big, generator=g), [torch.randn(big, generator=g), torch.randn(9, generator=g),
+              torch.randn(exchange.PART_MIN // 4 + 5, generator=g)]) for _ in range(2)]
+    # World.sendrecv_parts: the parts' bytes back to back, as many as the peer's, whatever their dtypes
+    parts = [sides[world.rank][0], torch.arange(5, dtype=torch.int64) + 10 * world.rank, sides[world.rank][1][1]]
+    nbytes = sum(t.numel() * t.element_size() for t in parts)
+    recv = torch.empty(nbytes, dtype=torch.uint8)
+    sent0 = world.bytes_sent
+    world.sendrecv_parts(parts, recv, peer, tag=2)
+    theirs = [sides[peer][0], torch.arange(5, dtype=torch.int64) + 10 * peer, sides[peer][1][1]]
+    assert torch.equal(recv, torch.cat([t.view(torch.uint8) for t in theirs]))
+    assert world.bytes_sent - sent0 == nbytes
+    # the engine's exchange of weights and moments: merged bitwise, the same distance logged on both sides
+    flat, moments = sides[world.rank][0].clone(), [m.clone() for m in sides[world.rank][1]]
+    pair = exchange.PairExchange(world, big, flat.dtype)
+    got = pair.swap(exchange.Payload(flat, state=moments), peer, 0.3)
+    got.merge_state_(0.3)
+    want = sides[world.rank][0].clone()
+    merge.interpolate_(want, sides[peer][0], 0.3)
+    assert torch.equal(flat, want)
+    for m, mine, other in zip(moments, sides[world.rank][1], sides[peer][1]):
+        w = mine.clone()
+        merge.interpolate_(w, other, 0.3)
+        assert torch.equal(m, w)
+    exact = float(torch.dist(sides[0][0].double(), sides[1][0].double()))
+    both = world.allgather(np.array([got.distance]))
+    assert both.reshape(-1)[0] == both.reshape(-1)[1] and abs(got.distance - exact) <= 1e-6 * exact
+    print("PARTS-OK", world.rank)
+""")
+
+
+def test_parts_go_out_as_they_lie_and_the_exchange_of_moments_merges_bitwise(tmp_path):
+    script = tmp_path / "parts_check.py"
+    script.write_text(PARTS_SCRIPT)
+    res = run_mpi(2, [script], timeout=180)
+    assert res.stdout.count("PARTS-OK") == 2
+
+
 # --------------------------------------------------------------------------- overhead
 
 

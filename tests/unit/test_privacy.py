@@ -17,7 +17,7 @@ from communities import config as config_mod
 from communities.core import privacy
 from communities.errors import ConfigError
 from communities.workload import train
-from communities.workload.private import PrivateGradient, per_example_method, refuse_model
+from communities.workload.private import PrivateGradient, check_model, per_example_method, refuse_model
 
 opacus = pytest.importorskip("opacus")
 
@@ -46,7 +46,7 @@ def _grad(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("per_example", ["vmap", "hooks"])
+@pytest.mark.parametrize("per_example", ["vmap", "hooks", "ghost"])
 @pytest.mark.parametrize("max_norm", [0.05, 0.5, 1e6])
 def test_clipping_bounds_every_example_and_the_step_is_their_clipped_mean(max_norm, per_example):
     model = _model()
@@ -108,7 +108,7 @@ def test_epsilon_edges_and_derived_noise_meets_its_target():
     assert privacy.epsilon(sigma * 0.9, 0.02, 2000, 1e-5) > 3.0  # less noise would overspend
 
 
-@pytest.mark.parametrize("per_example", ["vmap", "hooks"])
+@pytest.mark.parametrize("per_example", ["vmap", "hooks", "ghost"])
 def test_noiseless_unclipped_dp_sgd_is_the_plain_step_bit_for_bit(per_example):
     x, y = _batch(100, seed=4)
 
@@ -171,10 +171,72 @@ def test_noise_settings_are_checked():
     assert _cfg("privacy.enabled=true", "privacy.noise_multiplier=0").privacy.noise_multiplier == 0
 
 
-def test_auto_picks_hooks_for_linear_stacks_and_vmap_for_convolutions():
-    assert per_example_method(_model()) == "hooks"
+class _Scale(nn.Module):
+    """A layer Opacus has no per-example gradient for."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_auto_picks_ghost_where_opacus_takes_every_layer_and_vmap_for_the_rest():
+    assert per_example_method(_model()) == "ghost"
     conv = nn.Sequential(nn.Conv1d(1, 4, 3), nn.Flatten(), nn.Linear(24, 3))
-    assert per_example_method(conv) == "vmap"
+    assert per_example_method(conv) == "ghost"
+    assert per_example_method(nn.Sequential(nn.Linear(8, 3), _Scale())) == "vmap"
+
+
+def _conv_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Conv1d(1, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(16, 3))
+
+
+def _opacus_clipped_mean(build, x, y, max_norm: float, denom: float) -> torch.Tensor:
+    """Opacus's own step, noiseless: GradSampleModule, DPOptimizer's clipping, its sum over the expected batch."""
+    import warnings
+
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = GradSampleModule(build())
+        opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.0), noise_multiplier=0.0,
+                          max_grad_norm=max_norm, expected_batch_size=int(denom))
+        F.cross_entropy(module(x), y).backward()
+        opt.pre_step()  # clip, accumulate, (no) noise, scale by the expected batch size
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+
+
+@pytest.mark.parametrize("per_example", ["vmap", "hooks", "ghost"])
+@pytest.mark.parametrize("conv", [False, True])
+@pytest.mark.parametrize("max_norm, denom", [(0.05, 24), (0.3, 30)])
+def test_every_method_gives_opacus_clipped_gradient_within_rounding(per_example, conv, max_norm, denom):
+    """The clipped sum of each method equals Opacus's own (whose factor is C / (||g|| + 1e-6): a relative
+    1e-6 / ||g|| from ours), also over an expected batch size that is not the batch's (Poisson sampling),
+    and into gradients that are not set to None (a data-parallel group binds them to one buffer)."""
+    build = _conv_model if conv else _model
+    x, y = _batch(24, seed=5)
+    theirs = _opacus_clipped_mean(build, x, y, max_norm, denom)
+    for set_to_none in (True, False):
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dp = PrivateGradient(model, max_grad_norm=max_norm, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                             per_example=per_example)
+        if not set_to_none:
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 7.0)  # stale: must be cleared, not added to
+        held = [p.grad for p in model.parameters()]
+        dp.backward(x, y, float(denom), opt, dp.generator(0), set_to_none=set_to_none)
+        mine = _grad(model)
+        assert float((mine - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max())
+        if not set_to_none:
+            assert all(p.grad is h for p, h in zip(model.parameters(), held))
+        assert not any(hasattr(p, "grad_sample") and p.grad_sample is not None for p in model.parameters())
 
 
 @pytest.mark.parametrize("layer", [nn.BatchNorm1d(4), nn.Dropout(0.2), nn.LayerNorm(4)])
@@ -214,3 +276,28 @@ def test_the_plan_counts_the_steps_units_take_and_names_an_unreachable_epsilon()
     tight = _cfg("privacy.enabled=true", "privacy.epsilon=0.001", "train.budget=10")
     with pytest.raises(ConfigError, match="privacy.epsilon=0.001: no noise keeps"):
         plan(tight.privacy, tight.train, 480, [480], lockstep=False)
+
+
+def test_ghost_takes_the_layers_opacus_samples_and_names_a_shared_layer_at_start_up():
+    def normed():
+        torch.manual_seed(2)
+        return nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 3))
+
+    x, y = _batch(20, seed=6)
+    theirs = _opacus_clipped_mean(normed, x, y, 0.1, 20)
+    model = normed()
+    dp = PrivateGradient(model, max_grad_norm=0.1, noise_multiplier=0.0, noise="seeded", seed=0, rank=0)
+    assert dp.per_example == "ghost"
+    dp.backward(x, y, 20.0, torch.optim.SGD(model.parameters(), lr=0.1), dp.generator(0), set_to_none=True)
+    assert float((_grad(model) - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max())
+
+    class Shared(nn.Module):  # one Linear called twice: no layer's per-example gradient is one sample
+        def __init__(self):
+            super().__init__()
+            self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.a(torch.relu(self.a(x))))
+
+    with pytest.raises(ConfigError, match="privacy.per_example"):
+        check_model(Shared(), "pkg:shared", x, y, "auto")

@@ -1,22 +1,27 @@
 """How two partners combine their weights: swap headers, then one payload, merged by the rule.
 
 ``PairExchange`` is what the engine's mixers run for every pairwise exchange,
-and what ``communities bench exchange`` times: at most two round trips. First a
-header Sendrecv (so both sides decide the same way what to do with what
-follows, and know the size of everything that follows); then one ``Payload``:
-the weights, and whatever else the merge needs (optimizer moments under
-``merge.optimizer_state: average``, the seen-at table under
-``merge.partner_policy: least_recent``), laid out identically on both sides in
-one contiguous buffer and moved by one Sendrecv. Only a payload above
-``WHOLE_MAX_BYTES`` is cut, for memory: its weights go in cache-sized chunks
-with the distance and the merge fused (``swap_and_merge_chunked``), the rest in
-one more Sendrecv. Either way the merged weights are bitwise those of one
-whole-buffer ``lerp_``.
+and what ``communities bench exchange`` times. First a header Sendrecv (so both
+sides decide the same way what to do with what follows, and know the size of
+everything that follows); then one ``Payload``: the weights, and whatever else
+the merge needs (optimizer moments under ``merge.optimizer_state: average``,
+the seen-at table under ``merge.partner_policy: least_recent``), laid out
+identically on both sides and moved by one Sendrecv. The payload goes out from
+where its parts lie (``World.sendrecv_parts``: an MPI datatype over their
+addresses), never packed into a send buffer, and lands in one receive buffer
+kept between exchanges. The merge and the distance it logs are one pass over
+memory (``core.fused_merge``); for a model of two chunks or more each side
+computes the distance over its own half and the pair swaps the two partial
+sums (8 bytes, counted as monitoring), so both log the same distance for half
+the work. Only a payload above ``WHOLE_MAX_BYTES`` is cut, for memory: its
+weights go in cache-sized chunks, each merged as it lands
+(``swap_and_merge_chunked``), the rest in one more Sendrecv. Either way the
+merged weights are bitwise those of one whole-buffer ``lerp_``.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -24,83 +29,95 @@ import numpy as np
 import torch
 
 from ...core import merge
+from ...core.fused_merge import MERGE_BLOCK, merge_blocks_
 from ...results import Event
 from ...runtime.comm import Tag, World
+
+# The unit of ``swap_and_merge_chunked``'s messages: 1 MiB of float32 (a multiple of ``MERGE_BLOCK``). Also the
+# grain of the halves whose distance each side computes.
+CHUNK = 1 << 18
+
+# From this many weights on, each side of an exchange computes the distance over its half and the pair swaps the
+# halves (8 bytes): two chunks, 2 MiB of float32. Below, the message would cost more than the half it saves.
+SHARE_MIN = 2 * CHUNK
+
+# A payload's part of this many bytes or more goes out as a message of its own, from where it lies; smaller
+# ones are packed together (a message each would cost more than their copy: 200 moments of 8 KiB..160 KiB went
+# at 0.4 of a Sendrecv of as many bytes as messages, at 0.6 packed).
+PART_MIN = 1 << 20
+
+Span = Tuple[int, int]  # the elements [lo, hi) of the weights whose distance this side computes
 
 
 def swap_and_merge(world: World, flat: torch.Tensor, recv: torch.Tensor, peer: int, a: float, tag: int = Tag.WEIGHTS,
                    distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
     """Exchange ``flat`` (or ``send`` in its place) with ``peer`` into ``recv`` and merge in place; returns
-    ||w_mine - w_peer|| (or nan)."""
+    ||w_mine - w_peer|| (or nan). The plain path: ``torch.dist``, then ``lerp_``."""
     world.sendrecv(flat if send is None else send, recv, peer, tag=tag)
     d = float(torch.dist(flat, recv)) if distance else float("nan")
     merge.interpolate_(flat, recv, a)
     return d
 
 
-# Elements per block of ``merge_with_distance_``: 256 Ki float32 = 1 MiB, so a block of the two
-# operands and the scratch are still in cache between the distance and the merge. Measured on a
-# 2-core EPYC (512 KiB L2, 32 MiB L3): 1 MiB blocks beat 64 KiB..4 MiB ones at 16 and 64 MB.
-MERGE_BLOCK = 1 << 18
-
-
 def merge_with_distance_(flat: torch.Tensor, recv: torch.Tensor, a: float, block: int = MERGE_BLOCK,
                          scratch: Optional[torch.Tensor] = None) -> float:
-    """``merge.interpolate_(flat, recv, a)`` plus ``||flat - recv||`` (before), block by block.
-
-    ``torch.dist`` materialises ``flat - recv``: a P-sized temporary that, above
-    glibc's mmap threshold (32 MiB at most), is a fresh mapping on every call, so
-    its page faults cost several times the transfer itself (64 MiB: ~48 ms vs a
-    ~9 ms Sendrecv on the 2-core reference machine). Here the difference of each
-    block goes to a small scratch buffer, its squared norm is summed in float64,
-    and the block is merged while it is still in cache. The merged weights are
-    bitwise those of ``interpolate_`` on the whole buffer (lerp is elementwise and
-    blocks are a multiple of the SIMD width). The distance differs from
-    ``torch.dist`` by rounding only, and is the more accurate of the two: blocks
-    are summed in float64 (torch.dist of 5M float32 entries is off by ~1e-4
-    relative, this by ~1e-7).
-    Device tensors take the plain path: their allocator caches the temporary.
-    """
+    """``merge.interpolate_(flat, recv, a)``; returns ``||flat - recv||`` (before), in one pass over memory
+    (``fused_merge.merge_blocks_``). Device tensors, and anything not a flat vector, take the plain path (their
+    allocator caches the temporary)."""
     if flat.device.type != "cpu" or flat.dim() != 1 or recv.shape != flat.shape:
         d = float(torch.dist(flat, recv))
         merge.interpolate_(flat, recv, a)
         return d
-    n = flat.numel()
-    block = max(64, int(block) // 64 * 64)
-    if scratch is None or scratch.numel() < min(block, n) or scratch.dtype != flat.dtype:
-        scratch = torch.empty(min(block, n), dtype=flat.dtype)
-    exact = flat.dtype in (torch.float32, torch.float64)
-    total = 0.0
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
-        f, r, s = flat[lo:hi], recv[lo:hi], scratch[: hi - lo]
-        torch.sub(r, f, out=s)
-        total += float(torch.dot(s, s)) if exact else float(torch.linalg.vector_norm(s, dtype=torch.float64)) ** 2
-        merge.interpolate_(f, r, a)
-    return math.sqrt(total)
+    size = min(max(64, int(block) // 64 * 64), max(flat.numel(), 1))
+    if scratch is None or scratch.numel() < size or scratch.dtype != flat.dtype:
+        scratch = torch.empty(size, dtype=flat.dtype)
+    return math.sqrt(merge_blocks_(flat, recv, a, scratch[:size]))
 
 
 class ChunkBuffers:
-    """The two chunk-sized scratch buffers of ``swap_and_merge_chunked``: the partner's chunk and a difference."""
+    """The scratch of the merge: the partner's chunk (``swap_and_merge_chunked``) and a block's difference."""
 
-    def __init__(self, n: int, dtype: torch.dtype, chunk: int = MERGE_BLOCK):
+    def __init__(self, n: int, dtype: torch.dtype, *, chunk: int = CHUNK, block: int = MERGE_BLOCK):
         self.chunk = max(64, int(chunk) // 64 * 64)
         size = min(self.chunk, max(int(n), 1))
         self.recv = torch.empty(size, dtype=dtype)
-        self.diff = torch.empty(size, dtype=dtype)
+        self.diff = torch.empty(min(size, max(64, int(block) // 64 * 64)), dtype=dtype)
+
+
+def _inside(lo: int, hi: int, span: Span) -> bool:
+    return span[0] <= lo and hi <= span[1] and lo < hi
+
+
+def _swap_chunks_(world: World, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers, *, tag: int,
+                  send: torch.Tensor, span: Span, own_span: Span) -> Tuple[float, float]:
+    """Sendrecv chunk by chunk, each merged as it lands; returns (``||flat - theirs||^2`` over ``own_span``,
+    ``||send - theirs||^2`` over ``span``), spans on chunk boundaries. The two differ only for a lie."""
+    n, chunk = flat.numel(), buffers.chunk
+    own = shown = 0.0
+    lie = send is not flat
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        r = buffers.recv[: hi - lo]
+        world.sendrecv(send[lo:hi], r, peer, tag=tag)
+        if lie and _inside(lo, hi, span):
+            shown += float(torch.dist(send[lo:hi], r)) ** 2
+        if _inside(lo, hi, own_span):
+            own = merge_blocks_(flat[lo:hi], r, a, buffers.diff, own)
+        else:
+            merge.interpolate_(flat[lo:hi], r, a)
+    return own, (shown if lie else own)
 
 
 def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers,
                            tag: int = Tag.WEIGHTS, distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
     """``swap_and_merge`` one 1 MiB chunk at a time: Sendrecv a chunk, merge it while it is in cache.
 
-    A whole-buffer Sendrecv followed by a merge streams the weights through
-    memory about five times (the copy in, then lerp's two reads and one write);
-    here the partner's chunk lands in a cache-sized buffer and the local chunk
-    is still cached from being sent, so the merge costs little more than the
-    copy itself. It also needs no P-sized receive buffer. Same merged weights,
-    bit for bit, as ``interpolate_`` on the whole buffer; the distance is summed
-    in float64 over chunks (see ``merge_with_distance_``). Device tensors, and
+    The partner's chunk lands in a cache-sized buffer and the local chunk is
+    still cached from being sent, and no P-sized receive buffer is needed; the
+    price is a message per chunk (a rendezvous each: on a crowded machine, a
+    wait for the partner to be scheduled each). Same merged weights, bit for
+    bit, as ``interpolate_`` on the whole buffer, and the same distance as a
+    ``PairExchange`` that received the buffer whole. Device tensors, and
     anything not a flat float vector, take the whole-buffer path of
     ``swap_and_merge`` with a temporary receive buffer. ``send`` replaces what
     is sent (chunk by chunk too).
@@ -109,37 +126,30 @@ def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float
     if (flat.device.type != "cpu" or flat.dim() != 1 or flat.dtype != buffers.recv.dtype
             or send.shape != flat.shape or send.dtype != flat.dtype):
         return swap_and_merge(world, flat, torch.empty_like(flat), peer, a, tag=tag, distance=distance, send=send)
-    n, chunk = flat.numel(), buffers.chunk
+    span = (0, flat.numel()) if distance else (0, 0)
+    own, _ = _swap_chunks_(world, flat, peer, a, buffers, tag=tag, send=send, span=span, own_span=span)
+    return math.sqrt(own) if distance else float("nan")
+
+
+def _merge_received_(flat: torch.Tensor, theirs: torch.Tensor, a: float, buffers: ChunkBuffers, span: Span) -> float:
+    """Merge a partner's weights received whole; returns ``||flat - theirs||^2`` over ``span``, summed chunk by
+    chunk as ``_swap_chunks_`` sums it (so the distance has the same bits either way). Outside ``span``: lerp_."""
+    lo_, hi_ = span
+    merge.interpolate_(flat[:lo_], theirs[:lo_], a)
+    merge.interpolate_(flat[hi_:], theirs[hi_:], a)
     total = 0.0
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        f, r = flat[lo:hi], buffers.recv[: hi - lo]
-        world.sendrecv(send[lo:hi], r, peer, tag=tag)
-        if distance:
-            total += merge_with_distance_(f, r, a, block=chunk, scratch=buffers.diff) ** 2
-        else:
-            merge.interpolate_(f, r, a)
-    return math.sqrt(total) if distance else float("nan")
+    for lo in range(lo_, hi_, buffers.chunk):
+        hi = min(hi_, lo + buffers.chunk)
+        total = merge_blocks_(flat[lo:hi], theirs[lo:hi], a, buffers.diff, total)
+    return total
 
 
-def merge_chunks_(flat: torch.Tensor, theirs: torch.Tensor, a: float, buffers: ChunkBuffers,
-                  distance: bool = True) -> float:
-    """The merge of ``swap_and_merge_chunked`` on a buffer received whole: chunk by chunk, the same calls.
-
-    So the merged weights and the distance (its per-chunk norms, squared and
-    summed in float64) have the same bits whether the weights came in one
-    message or chunk by chunk.
-    """
-    n, chunk = flat.numel(), buffers.chunk
-    total = 0.0
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        f, r = flat[lo:hi], theirs[lo:hi]
-        if distance:
-            total += merge_with_distance_(f, r, a, block=chunk, scratch=buffers.diff) ** 2
-        else:
-            merge.interpolate_(f, r, a)
-    return math.sqrt(total) if distance else float("nan")
+def _squared_distance(mine: torch.Tensor, theirs: torch.Tensor, span: Span) -> float:
+    """``||mine - theirs||^2`` over ``span``, summed in float64 (the plain path's half of a shared distance)."""
+    lo, hi = span
+    if hi <= lo:
+        return 0.0
+    return float(torch.linalg.vector_norm(mine[lo:hi] - theirs[lo:hi], dtype=torch.float64)) ** 2
 
 
 HEADER_FIELDS = 5  # the numbers of a header without pbt's
@@ -195,10 +205,9 @@ def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int,
     return a, Event.MERGE
 
 
-# A payload up to this many bytes travels in one Sendrecv, into a receive buffer kept between exchanges (and,
-# when more than the weights travel, from a send buffer kept likewise): at most 2 x 64 MiB held. Above it the
-# weights go chunk by chunk (``swap_and_merge_chunked``): no payload-sized buffer, at the price of a message
-# per MiB, which on a network is a latency each.
+# A payload up to this many bytes travels in one Sendrecv, into a receive buffer kept between exchanges (at most
+# 64 MiB held). Above it the weights go chunk by chunk (``swap_and_merge_chunked``): no payload-sized buffer, at
+# the price of a message per MiB, which on a network is a latency each.
 WHOLE_MAX_BYTES = 64 << 20
 
 
@@ -246,23 +255,46 @@ def _typed(buf: torch.Tensor, sec: Section, base: int = 0) -> torch.Tensor:
 
 @dataclass
 class Received:
-    """What a payload swap leaves besides the merged weights: the partner's parts, this side's packed beside."""
+    """What a payload swap leaves besides the merged weights: the partner's parts, and this side's moments."""
 
     distance: float  # ||w_mine - w_peer|| before the merge (nan when not asked)
     state: Optional[torch.Tensor] = None  # the partner's optimizer moments, flat
-    my_state: Optional[torch.Tensor] = None  # this side's, packed the same way (merge in place, then unpack)
     seen_at: Optional[np.ndarray] = None  # the partner's seen-at table
+    mine: Sequence[torch.Tensor] = field(default_factory=list)  # this side's moments, where they lie
+
+    @property
+    def my_state(self) -> Optional[torch.Tensor]:
+        """This side's moments laid out as ``state`` (a copy: the merge goes to the moments themselves)."""
+        if self.state is None:
+            return None
+        return torch.cat([v.reshape(-1).to(self.state.dtype) for v in self.mine])
+
+    def merge_state_(self, a: float) -> None:
+        """Merge this side's moments with the partner's in place, each ``interpolate_``'d with its slice of
+        ``state``: bitwise the merge of the two packed vectors (lerp is elementwise)."""
+        if self.state is None:
+            return
+        offset = 0
+        for v in self.mine:
+            theirs = self.state[offset: offset + v.numel()]
+            offset += v.numel()
+            if v.dtype == theirs.dtype:
+                merge.interpolate_(v, theirs.view_as(v), a)
+            else:  # merged in the payload's dtype, as packed
+                tmp = v.to(theirs.dtype)
+                merge.interpolate_(tmp, theirs.view_as(tmp), a)
+                v.copy_(tmp)
 
 
 class Payload:
     """One side's bytes after the header: the weights, then the optimizer moments and the seen-at table if they
-    travel, packed back to back with no padding.
+    travel, back to back with no padding.
 
     Both sides build it from what both headers said (the model's size, the
     moments' size, the world size), so its ``sections`` are the same on both:
-    one contiguous send buffer and one receive buffer of the same layout, one
-    Sendrecv. Nothing received is unpickled; each part is read back as the
-    dtype and size this side expects.
+    the parts go out as one message from where they lie (``parts``), and land
+    in one receive buffer of the same layout. Nothing received is unpickled;
+    each part is read back as the dtype and size this side expects.
     """
 
     def __init__(self, weights: torch.Tensor, *, outgoing: Optional[torch.Tensor] = None,
@@ -295,28 +327,24 @@ class Payload:
         """Bytes after the weights."""
         return self.nbytes - self.sections["weights"].nbytes
 
-    def pack_extras(self, buf: torch.Tensor, base: int) -> None:
-        """Write the parts after the weights into ``buf`` (a byte buffer starting at payload byte ``base``)."""
+    def parts(self, weights: bool = True) -> List[torch.Tensor]:
+        """What goes out, in payload order, as contiguous tensors whose bytes concatenated are the payload's (or
+        its extras'): the sent weights and the moments where they lie; a moment of another dtype than its
+        section's is converted, as packing would."""
+        out = [self.outgoing] if weights else []
         sec = self.sections.get("state")
         if sec is not None:
-            dst = buf[sec.offset - base: sec.end - base]
-            if (sec.offset - base) % _itemsize(sec.dtype) == 0:
-                typed, offset = dst.view(sec.dtype), 0
-                for v in self.state:
-                    typed[offset: offset + v.numel()].copy_(v.reshape(-1))
-                    offset += v.numel()
-            else:
-                dst.copy_(_bytes(torch.cat([v.reshape(-1).to(sec.dtype) for v in self.state])))
-        sec = self.sections.get("seen_at")
-        if sec is not None and self.seen_at is not None:
-            buf[sec.offset - base: sec.end - base].copy_(torch.from_numpy(self.seen_at.view(np.uint8)))
+            out += [v.reshape(-1) if v.dtype == sec.dtype else v.reshape(-1).to(sec.dtype) for v in self.state]
+        if self.seen_at is not None:
+            out.append(torch.from_numpy(self.seen_at))
+        return [t if t.is_contiguous() else t.contiguous() for t in out]
 
-    def unpack(self, send: torch.Tensor, recv: torch.Tensor, base: int, distance: float) -> Received:
-        """The partner's parts from ``recv`` (and this side's moments from ``send``), both starting at ``base``."""
-        got = Received(distance)
+    def unpack(self, recv: torch.Tensor, base: int, distance: float) -> Received:
+        """The partner's parts from ``recv`` (a byte buffer starting at payload byte ``base``)."""
+        got = Received(distance, mine=self.state)
         sec = self.sections.get("state")
         if sec is not None:
-            got.state, got.my_state = _typed(recv, sec, base), _typed(send, sec, base)
+            got.state = _typed(recv, sec, base)
         sec = self.sections.get("seen_at")
         if sec is not None:
             got.seen_at = recv[sec.offset - base: sec.end - base].cpu().numpy().view(np.int64).copy()
@@ -329,7 +357,7 @@ class PairExchange:
     def __init__(self, world: World, numel: int, dtype: torch.dtype, *, whole_max: int = WHOLE_MAX_BYTES):
         self.world, self.numel, self.whole_max = world, int(numel), int(whole_max)
         self.buffers = ChunkBuffers(numel, dtype)
-        self._held: Dict[str, torch.Tensor] = {}  # the whole-payload send and receive buffers, kept
+        self._held: Dict[str, torch.Tensor] = {}  # the whole-payload receive buffer (and a packing one), kept
 
     def swap_headers(self, mine: Header, partner: int) -> Header:
         """Blocking: returns the partner's header (this is where a rank waits for a partner still training)."""
@@ -342,39 +370,101 @@ class PairExchange:
                                f"rank {partner} holds {other.state}: the optimizers differ")
         return other
 
+    def halves(self, n: int, partner: int) -> Optional[Span]:
+        """The half of the weights whose distance this side computes (the lower rank the first), on chunk
+        boundaries; None below ``SHARE_MIN`` weights (each side computes all of it)."""
+        h = (n // 2) // self.buffers.chunk * self.buffers.chunk
+        if n < SHARE_MIN or h == 0:
+            return None
+        return (0, h) if self.world.rank < partner else (h, n)
+
     def swap(self, payload: Payload, partner: int, a: float, distance: bool = True) -> Received:
         """Swap payloads with ``partner`` and merge the weights in place (``w <- (1-a) w + a theirs``).
 
         One Sendrecv up to ``whole_max`` bytes (device tensors always); above, the
         weights chunk by chunk fused with the merge, then the rest in one more.
+        Both sides must pass the same ``distance`` (it decides whether the pair
+        swaps the halves of its distance).
         """
-        w = payload.sections["weights"]
-        flat = payload.weights
-        if payload.nbytes > self.whole_max and flat.device.type == "cpu":
-            d = swap_and_merge_chunked(self.world, flat, partner, a, self.buffers, distance=distance,
-                                       send=payload.outgoing)
-            if not payload.extras:
-                return Received(d)
-            send = torch.empty(payload.extras, dtype=torch.uint8)
-            recv = torch.empty_like(send)
-            payload.pack_extras(send, base=w.end)
+        flat, n = payload.weights, payload.weights.numel()
+        half = self.halves(n, partner) if distance else None
+        span = half or ((0, n) if distance else (0, 0))
+        if payload.nbytes > self.whole_max and flat.device.type == "cpu" and flat.dim() == 1:
+            own, shown = _swap_chunks_(self.world, flat, partner, a, self.buffers, tag=Tag.WEIGHTS,
+                                       send=payload.outgoing, span=span,
+                                       own_span=(0, n) if payload.lies and distance else span)
+            own_d = math.sqrt(own)
+            got = self._swap_extras(payload, partner)
+        else:
+            recv = self._buffer("recv", payload.nbytes, flat.device)
+            self._send(payload.parts(), payload.nbytes, recv, partner)
+            theirs = _typed(recv, payload.sections["weights"])
+            if payload.lies or flat.device.type != "cpu" or flat.dim() != 1:
+                shown = _squared_distance(payload.outgoing, theirs, span) if half else 0.0
+                if distance and (payload.lies or not half):
+                    own_d = merge_with_distance_(flat, theirs, a, scratch=self.buffers.diff)
+                else:
+                    own_d = math.nan
+                    merge.interpolate_(flat, theirs, a)
+            else:
+                shown = _merge_received_(flat, theirs, a, self.buffers, span)
+                own_d = math.sqrt(shown)
+            got = payload.unpack(recv, 0, math.nan)
+        if not distance:
+            return got
+        got.distance = own_d
+        if half is not None:
+            total = self._swap_partials(shown, partner)
+            if not payload.lies:  # a liar logs the distance of its own weights (its partner saw the lie's)
+                got.distance = math.sqrt(total)
+        return got
+
+    def _swap_extras(self, payload: Payload, partner: int) -> Received:
+        """After chunked weights: the moments and the seen-at table in one more Sendrecv."""
+        base = payload.sections["weights"].end
+        if not payload.extras:
+            return Received(float("nan"))
+        recv = torch.empty(payload.extras, dtype=torch.uint8)
+        self._send(payload.parts(weights=False), payload.extras, recv, partner)
+        return payload.unpack(recv, base, float("nan"))
+
+    def _swap_partials(self, mine: float, partner: int) -> float:
+        """The pair's squared distance: this side's half and the partner's, summed lower half first (so both sides
+        hold the same bits). The 8 bytes only serve the log: monitoring, not training traffic."""
+        with self.world.metered("monitoring"):
+            theirs = float(self.world.sendrecv_array(np.array([mine], dtype=np.float64), partner,
+                                                     tag=Tag.DISTANCE)[0])
+        return mine + theirs if self.world.rank < partner else theirs + mine
+
+    def _send(self, parts: List[torch.Tensor], nbytes: int, recv: torch.Tensor, partner: int) -> None:
+        """One round trip of ``parts``' bytes back to back into ``recv``: each part of ``PART_MIN`` bytes or more
+        from where it lies, the runs of smaller ones between them packed into a send buffer kept between
+        exchanges (``World.sendrecv_parts``: a message each, all in flight). A world without it (a population's
+        hub, data-parallel groups) gets the whole payload packed into one message."""
+        parts = [_bytes(t) for t in parts if t.numel()]
+        if len(parts) == 1:
+            self.world.sendrecv(parts[0], recv, partner, tag=Tag.WEIGHTS)
+            return
+        sendrecv_parts = getattr(self.world, "sendrecv_parts", None)
+        small = sum(b.numel() for b in parts if b.numel() < PART_MIN or sendrecv_parts is None)
+        send = self._buffer("send", small, recv.device)
+        messages: List[torch.Tensor] = []
+        offset = run = 0  # the send buffer's bytes used, and where the run being packed started
+        for b in parts:
+            if b.numel() >= PART_MIN and sendrecv_parts is not None:
+                if offset > run:
+                    messages.append(send[run:offset])
+                messages.append(b)
+                run = offset
+            else:
+                send[offset: offset + b.numel()].copy_(b)
+                offset += b.numel()
+        if offset > run:
+            messages.append(send[run:offset])
+        if sendrecv_parts is None:
             self.world.sendrecv(send, recv, partner, tag=Tag.WEIGHTS)
-            return payload.unpack(send, recv, w.end, d)
-        recv = self._buffer("recv", payload.nbytes, flat.device)
-        if payload.extras:
-            send = self._buffer("send", payload.nbytes, flat.device)
-            send[: w.end].copy_(_bytes(payload.outgoing))
-            payload.pack_extras(send, base=0)
         else:
-            send = _bytes(payload.outgoing)  # the weights alone: sent from where they lie
-        self.world.sendrecv(send, recv, partner, tag=Tag.WEIGHTS)
-        theirs = _typed(recv, w)
-        if payload.lies or flat.device.type != "cpu" or flat.dim() != 1:
-            d = float(torch.dist(flat, theirs)) if distance else float("nan")
-            merge.interpolate_(flat, theirs, a)
-        else:
-            d = merge_chunks_(flat, theirs, a, self.buffers, distance)
-        return payload.unpack(send, recv, 0, d)
+            sendrecv_parts(messages, recv, partner, tag=Tag.WEIGHTS)
 
     def _buffer(self, slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._held.get(slot)

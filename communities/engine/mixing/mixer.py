@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ...config import Config
-from ...core import merge, partners, pbt, protocol
+from ...core import partners, pbt, protocol
 from ...core.partners import Law
 from ...core.protocol import RunningDigest
 from ...errors import StopReason
@@ -190,7 +190,7 @@ class Mixer:
             else:
                 update = a * distance if a else 0.0
             if event == Event.MERGE:
-                self._merge_optimizer_state(a, moments, got)
+                self._merge_optimizer_state(a, got)
             if got.seen_at is not None:
                 self._swap_seen_at(got.seen_at, a)
             # Hard examples stay a step of their own (a count, then two packets; metered as data, not as
@@ -226,17 +226,13 @@ class Mixer:
                 score = r.group_mean(score)  # a group's score: its members' mean (the same header on every member)
         return Header(*base, score=score, ready=r.hyper.ready(t), hyper=tuple(float(v) for v in r.hyper.values))
 
-    def _merge_optimizer_state(self, a: float, moments: List[torch.Tensor], got: Received) -> None:
+    def _merge_optimizer_state(self, a: float, got: Received) -> None:
         """reset: clear the moments; average: merge them with the partner's, which came in the payload."""
         r, mode = self.replica, self.cfg.merge.optimizer_state
         if mode == "reset":
             r.opt.state.clear()
-        elif mode == "average" and got.state is not None and got.my_state is not None:
-            merge.interpolate_(got.my_state, got.state, a)
-            offset = 0
-            for v in moments:
-                v.copy_(got.my_state[offset: offset + v.numel()].view_as(v))
-                offset += v.numel()
+        elif mode == "average":
+            got.merge_state_(a)  # each moment in place, with its slice of the partner's
 
     def _swap_seen_at(self, seen: np.ndarray, a: float) -> None:
         """The record of which shards the model has seen travels with the model (in the payload)."""

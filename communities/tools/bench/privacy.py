@@ -1,11 +1,16 @@
-"""``communities bench privacy``: a DP-SGD step (ours) against the plain step and Opacus's."""
+"""``communities bench privacy``: a DP-SGD step (ours, each ``privacy.per_example`` method) against the plain step
+and Opacus's own (``GradSampleModule`` + ``DPOptimizer``), timed in CPU time (a shared machine's other processes
+do not count) and in wall time."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from .common import fmt_table, machine_load, write_json
+
+METHODS = ("ghost", "hooks", "vmap")  # privacy.per_example's methods (workload/clipping.py)
 
 
 def _max_rel_diff_vs_opacus(build, x, y, seed: int) -> float:
@@ -28,7 +33,7 @@ def _max_rel_diff_vs_opacus(build, x, y, seed: int) -> float:
     factor = (0.5 / (per.norm(dim=1) + 1e-6)).clamp(max=1.0)  # Opacus's clipping factor
     theirs_sum = (per * factor[:, None]).sum(0) / batch
     diff = 0.0
-    for how in ("vmap", "hooks"):
+    for how in METHODS:
         probe = build()
         check = PrivateGradient(probe, max_grad_norm=0.5, noise_multiplier=0.0, noise="seeded", seed=seed, rank=0,
                                 per_example=how)
@@ -38,18 +43,21 @@ def _max_rel_diff_vs_opacus(build, x, y, seed: int) -> float:
     return diff
 
 
-def _interleaved(fns: Dict[str, Callable[[], None]], steps: int) -> Dict[str, float]:
-    """Median seconds of each step kind over ``steps`` rounds that run every kind once, after 3 warm-ups."""
-    timings: Dict[str, List[float]] = {k: [] for k in fns}
+def _interleaved(fns: Dict[str, Callable[[], None]], steps: int) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Median CPU seconds (this thread's: a shared machine's other processes do not count) and wall seconds of each
+    step kind over ``steps`` rounds that run every kind once, after 3 warm-ups."""
+    cpu: Dict[str, List[float]] = {k: [] for k in fns}
+    wall: Dict[str, List[float]] = {k: [] for k in fns}
     for _ in range(3):  # warm-up
         for fn in fns.values():
             fn()
     for _ in range(steps):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             fn()
-            timings[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in timings.items()}
+            cpu[name].append(time.thread_time() - c0)
+            wall[name].append(time.perf_counter() - t0)
+    return ({k: statistics.median(v) for k, v in cpu.items()}, {k: statistics.median(v) for k, v in wall.items()})
 
 
 def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
@@ -76,7 +84,7 @@ def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
     plain = build()
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
     ours = {}
-    for how in ("vmap", "hooks"):
+    for how in METHODS:
         m = build()
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         dp = PrivateGradient(m, max_grad_norm=1.0, noise_multiplier=1.0, noise="seeded", seed=seed, rank=0,
@@ -109,14 +117,17 @@ def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
         their_opt.step()
 
     diff = _max_rel_diff_vs_opacus(build, x, y, seed)
-    fns = {"plain": step_plain, "vmap": lambda: step_ours("vmap"), "hooks": lambda: step_ours("hooks"),
-           "opacus": step_opacus}
-    med = _interleaved(fns, steps)
+    fns: Dict[str, Callable[[], None]] = {"plain": step_plain}
+    fns.update({how: functools.partial(step_ours, how) for how in METHODS})
+    fns["opacus"] = step_opacus
+    med, wall = _interleaved(fns, steps)
     auto = per_example_method(plain)
     return {"model": model_name, "batch": batch, "params": sum(p.numel() for p in plain.parameters()),
-            "plain_ms": 1e3 * med["plain"], "vmap_ms": 1e3 * med["vmap"], "hooks_ms": 1e3 * med["hooks"],
-            "opacus_ms": 1e3 * med["opacus"], "auto": auto, "auto_over_plain": med[auto] / med["plain"],
-            "opacus_over_auto": med["opacus"] / med[auto], "max_rel_diff_vs_opacus": diff}
+            **{f"{k}_ms": 1e3 * v for k, v in med.items()},
+            **{f"{k}_wall_ms": 1e3 * v for k, v in wall.items()},
+            "auto": auto, "auto_over_plain": med[auto] / med["plain"], "opacus_over_auto": med["opacus"] / med[auto],
+            "max_rel_diff_vs_opacus": diff,
+            "auto_wall_over_plain": wall[auto] / wall["plain"], "opacus_wall_over_auto": wall["opacus"] / wall[auto]}
 
 
 def bench_privacy(args) -> int:
@@ -127,26 +138,30 @@ def bench_privacy(args) -> int:
     require_opacus()
     torch.set_num_threads(args.threads)
     results = [_privacy_case(m, b, args.steps, args.seed) for m in args.models for b in args.batches]
-    rows = [[r["model"], r["params"], r["batch"], f"{r['plain_ms']:.2f}", f"{r['vmap_ms']:.2f}",
-             f"{r['hooks_ms']:.2f}", f"{r['opacus_ms']:.2f}", r["auto"], f"{r['auto_over_plain']:.1f}x",
-             f"{r['opacus_over_auto']:.2f}x", f"{r['max_rel_diff_vs_opacus']:.1e}"] for r in results]
+    rows = [[r["model"], r["params"], r["batch"], *(f"{r[f'{k}_ms']:.2f}" for k in ("plain", *METHODS, "opacus")),
+             r["auto"], f"{r['auto_over_plain']:.2f}x", f"{r['opacus_over_auto']:.2f}x",
+             f"{r['auto_wall_over_plain']:.2f}x", f"{r['opacus_wall_over_auto']:.2f}x",
+             f"{r['max_rel_diff_vs_opacus']:.1e}"] for r in results]
     print(f"bench privacy: one DP-SGD step (clip 1, noise 1, SGD) against the plain step; median of {args.steps} "
           f"interleaved steps after 3 warm-ups, {args.threads} thread(s); {machine_load()}")
     print()
-    print(fmt_table(["model", "params", "batch", "plain ms", "vmap ms", "hooks ms", "opacus ms", "auto",
-                      "auto / plain", "opacus / auto", "max rel diff"], rows))
+    print(fmt_table(["model", "params", "batch", "plain ms", *(f"{k} ms" for k in METHODS), "opacus ms", "auto",
+                      "auto / plain", "opacus / auto", "wall: auto / plain", "opacus / auto", "max rel diff"], rows))
     print()
-    print("vmap, hooks = workload/private.py (privacy.per_example): per-example norms by torch.func (vmap of grad) "
-          "or by Opacus's GradSampleModule hooks, then one plain backward of the clipped loss, plus noise; auto = "
-          "what privacy.per_example=auto picks for the model; opacus = Opacus's own step (GradSampleModule + "
-          "DPOptimizer). max rel diff = the noiseless clipped mean gradient at clipping 0.5, ours (both ways) "
+    print("ms = the median step's CPU time (time.thread_time: what the step computes, not the time other processes "
+          "of a shared machine hold the CPU; wall-clock ratios beside). ghost, hooks, vmap = workload/private.py "
+          "(privacy.per_example, workload/clipping.py): Opacus's fast gradient clipping (norms without per-example "
+          "gradients, a second backward when a bound binds), Opacus's per-example gradients in the one backward "
+          "(the clipped sum from them), torch.func's vmap of grad then the backward of the clipped loss; plus noise. "
+          "auto = what privacy.per_example=auto picks for the model; opacus = Opacus's own step (GradSampleModule + "
+          "DPOptimizer). max rel diff = the noiseless clipped mean gradient at clipping 0.5, ours (every way) "
           "against Opacus's grad samples with Opacus's factor C / (||g|| + 1e-6), over its largest entry.")
     write_json(args.json, {"bench": "privacy", "threads": args.threads, "steps": args.steps, "results": results})
     return 0
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("privacy", help="a DP-SGD step (torch.func, ours) against the plain step and Opacus's")
+    p = sub.add_parser("privacy", help="a DP-SGD step (ours, each way) against the plain step and Opacus's")
     p.add_argument("--models", nargs="+", default=["mlp", "cnn1d"], choices=["mlp", "cnn1d"])
     p.add_argument("--batches", type=int, nargs="+", default=[50, 200])
     p.add_argument("--steps", type=int, default=50, help="timed steps of each kind")
