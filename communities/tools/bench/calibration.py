@@ -102,6 +102,9 @@ def real_decisions(paths, cc, round_index: int, blocks: int = 0):
     decisions, sizes, planted = [], set(), False
     for path in paths:
         rd = path / "rounds" / f"round_{round_index:04d}"
+        if not (rd / "signatures.npy").is_file() or not (rd / "round.json").is_file():
+            print(f"bench calibration: {path} has no complete round {round_index}: left out", file=sys.stderr)
+            continue
         S = np.load(rd / "signatures.npy", allow_pickle=False)
         info = json.loads((rd / "round.json").read_text())
         seed = int(_run_seed(path))
