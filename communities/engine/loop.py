@@ -33,8 +33,9 @@ from ..manifest import read_info
 from ..results import Summary, TimeCategory, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
-from ..runtime.comm import RankLost, World
+from ..runtime.comm import RankLost
 from ..runtime.groups import build_groups
+from ..runtime.view import WorldView
 from ..workload import private
 from . import protocols
 from .faults import make_faults
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 
-def _set_up(cfg: Config, world: World) -> torch.device:
+def _set_up(cfg: Config, world: WorldView) -> torch.device:
     """Every rank's checks and settings before the parts are built (each a step all ranks pass or none does):
     the world and the trackers' and DP's packages, ULFM, the watchdog, threads, determinism, the device."""
     def check() -> None:
@@ -81,7 +82,7 @@ def _set_up(cfg: Config, world: World) -> torch.device:
 class Engine:
     """One rank's engine. Build with ``Engine(cfg, world, run_dir, ...)`` (a collective), then ``run()``."""
 
-    def __init__(self, cfg: Config, world: World, run_dir: Path, *, overwrite: bool = False,
+    def __init__(self, cfg: Config, world: WorldView, run_dir: Path, *, overwrite: bool = False,
                  argv: Optional[List[str]] = None, progress: bool = True, resume: Resume = Resume.FRESH):
         self.cfg, self.world = cfg, world
         resume = Resume(resume)  # a Resume or its value; anything else (a bool) is a ValueError naming it
@@ -98,8 +99,8 @@ class Engine:
         view = world if self.groups is None else self.groups
         self.replica = Replica.build(cfg, world, device, self.timer, self.faults, groups=self.groups)
         self.rounds, self.mixer, self.consensus, collective_log = protocols.build(
-            cfg, view, self.timer, self.replica, self.agreement)  # type: ignore[arg-type]
-        self.mode = CommunityMode(cfg, view, self.timer, replica=self.replica,  # type: ignore[arg-type]
+            cfg, view, self.timer, self.replica, self.agreement)
+        self.mode = CommunityMode(cfg, view, self.timer, replica=self.replica,
                                   strategy=self.mixer.strategy)
         self.mixer.probe = self.mode.probe
         self.snapshots = RoundSnapshots(world, Path(run_dir)) if cfg.output.round_snapshots else None
@@ -427,7 +428,7 @@ def _env_threads() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
-def run(cfg: Config, world: World, *, overwrite: bool = False, argv: Optional[List[str]] = None,
+def run(cfg: Config, world: WorldView, *, overwrite: bool = False, argv: Optional[List[str]] = None,
         progress: bool = True, resume: Resume = Resume.FRESH) -> Optional[Summary]:
     """Run one training job on this rank; rank 0 returns the summary."""
     run_dir = Path(cfg.output.root) / cfg.name

@@ -49,6 +49,12 @@ class Traffic:
         finally:
             self.bytes_in_group += self.bytes_sent - before
 
+    def count_in_group(self, nbytes: int) -> None:
+        """Training bytes that stayed inside this replica's data-parallel group (``inside_group``, for bytes
+        counted rather than sent through this view: a population's stacked step)."""
+        self.bytes_sent += nbytes
+        self.bytes_in_group += nbytes
+
     def monitoring(self):
         """Bytes sent inside the block only measure (consensus-model evaluations): not training traffic."""
         return self.metered("monitoring")

@@ -23,7 +23,7 @@ from ...core.partners import Law
 from ...core.protocol import RunningDigest
 from ...errors import StopReason
 from ...results import Event, MergeRow
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ...workload import models, train
 from ..replica.examples import distance_factor
 from ..replica.replica import Replica
@@ -44,7 +44,7 @@ class MergeScorer(Protocol):
 class Mixer:
     """The virtual-clock mixer of one rank (the default ``protocol``)."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest):
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, replica: Replica, agreement: RunningDigest):
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         self.rank, self.n = world.rank, world.size
         self.strategy = strategies.make(cfg, self.n)

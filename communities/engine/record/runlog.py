@@ -40,7 +40,7 @@ from ...results import (
     finite_or_none,
     read_jsonl,
 )
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ...workload.data import Dataset
 from ..outcome.consensus import Decision
 from ..replica.examples import ExampleTracker
@@ -60,7 +60,7 @@ DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_
 class RunLog:
     """One rank's log buffer; on rank 0 also the writer of the run directory."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, writer: Optional[RunWriter],
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, writer: Optional[RunWriter],
                  collective: bool = True, lm: Optional[LanguageModel] = None, logs_merges: bool = True):
         self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
         # train.group_size > 1: a merge is its group's; its lead logs it, the members hold the same rows

@@ -48,8 +48,7 @@ def train_together(replica: Any, t: int, steps: Optional[int]) -> train.UnitResu
         if cfg.strategy == "allreduce":
             r.world.count_sent(averaged)  # as the replica's own Allreduces over the world count
         else:
-            r.world.bytes_sent += averaged
-            r.world.bytes_in_group += averaged
+            r.world.count_in_group(averaged)
     return res
 
 
