@@ -16,6 +16,7 @@ import torch
 from ..core.groups import GroupLayout
 from ..core.placement import tree_sum
 from ..errors import Disagreement
+from .traffic import Call, wire_bytes
 
 
 @dataclass
@@ -132,15 +133,13 @@ class HubGroup:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("a population's Allreduce needs a contiguous CPU tensor")
         self._wait("allreduce", "Allreduce inside a data-parallel group", t)
-        sent = self.world._ring(t.numel() * t.element_size(), self._members())
-        self.world.bytes_sent += sent
-        self.world.bytes_in_group += sent
+        self.world.count_in_group(wire_bytes(Call.ALLREDUCE, t.numel() * t.element_size(), self._members()))
         return t
 
     def allreduce_array(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         buf = np.array(values, dtype=np.float64, copy=True)
         out = self._wait("array", "Allreduce of values inside a data-parallel group", buf, op=op)
-        self.world.bytes_control += self.world._ring(buf.nbytes, self._members())
+        self.world.count(Call.ALLREDUCE, buf.nbytes, control=True, n=self._members())
         return out
 
     def _root(self, root_member: int) -> int:
@@ -149,10 +148,8 @@ class HubGroup:
     def bcast_(self, t: torch.Tensor, root_member: int) -> torch.Tensor:
         root = self._root(root_member)
         self._wait("bcast", "Bcast inside a data-parallel group", t, root=root)
-        if self.world.rank == root:
-            sent = t.numel() * t.element_size() * (self._members() - 1)
-            self.world.bytes_sent += sent
-            self.world.bytes_in_group += sent
+        nbytes = t.numel() * t.element_size()
+        self.world.count_in_group(wire_bytes(Call.BCAST, nbytes, self._members(), root=self.world.rank == root))
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root_member: int) -> np.ndarray:
@@ -160,18 +157,17 @@ class HubGroup:
         shape = tuple(int(k) for k in np.atleast_1d(shape))
         mine = np.ascontiguousarray(arr, dtype=dtype) if self.world.rank == root else None
         out = self._wait("bcast", "Bcast of values inside a data-parallel group", (mine, shape, dtype), root=root)
-        if self.world.rank == root:
-            sent = out.nbytes * (self._members() - 1)
-            self.world.bytes_sent += sent
-            self.world.bytes_in_group += sent
+        self.world.count_in_group(wire_bytes(Call.BCAST, out.nbytes, self._members(), root=self.world.rank == root))
         return out
 
 
 def color_means(world, ops: List[Any]) -> List[Any]:
     """A population hub's ``group_mean_`` (community models): each replica's tensor of ``ops`` (the process's
     replicas, each ``(tensor, color, counts)``) becomes the mean over the replicas of its color that count, a tree in
-    memory per color then one Allreduce of every color's sum across processes."""
+    memory per color then one Allreduce of every color's sum across processes. Each replica gets how many of its
+    color counted, and how many replicas alive have its color (the group its bytes are counted over)."""
     colors = world.allgather(np.array([op.value[1] for op in ops], dtype=np.int64)).reshape(-1)
+    alive = np.repeat(np.asarray(world.alive, dtype=bool), len(ops))  # (a lost process's rows: zeros, not colors)
     palette = np.unique(colors)
     tensors = [op.value[0] for op in ops]
     sums = torch.zeros((len(palette),) + tuple(tensors[0].shape), dtype=tensors[0].dtype)
@@ -188,5 +184,5 @@ def color_means(world, ops: List[Any]) -> List[Any]:
     for t, op in zip(tensors, ops):
         c = int(np.searchsorted(palette, op.value[1]))
         t.copy_(sums[c]).div_(max(int(counted[c]), 1))
-        out.append(int(counted[c]))
+        out.append((int(counted[c]), int(np.count_nonzero((colors == op.value[1]) & alive))))
     return out

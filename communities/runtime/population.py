@@ -43,6 +43,7 @@ from .hub_groups import GroupCalls, GroupOp, HubGroup, color_means
 from .logical import LogicalRanks
 from .membership import Membership
 from .tags import TAG_KINDS
+from .traffic import Call
 from .ulfm import RankLost, waitsome
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
@@ -544,15 +545,12 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
         assert hub.groups is not None and hub.groups.comm is not None  # (set up with the groups, at start-up)
         return hub.groups.comm.allreduce_sum_
 
-    def count_sent(self, nbytes: int) -> None:
-        """Training bytes of a collective over every replica, counted as ``World`` counts them (``_sent``)."""
-        self._sent(nbytes)
-
     def _sent(self, nbytes: int) -> None:
         """Training bytes of a collective, as World counts them; the share that reaches the replica's own
-        process, (B - 1) of its N - 1 peers, stays in memory (``bytes_in_process``)."""
+        process, (B - 1) of its N - 1 peers alive, stays in memory (``bytes_in_process``; a lost process takes
+        its whole block, so this replica's B are alive)."""
         self.bytes_sent += nbytes
-        b, n = self.hub.placement.per_process, self.size
+        b, n = self.hub.placement.per_process, self.n_alive
         self.bytes_in_process += nbytes * (b - 1) // max(n - 1, 1)
 
     def _gather(self, row: np.ndarray, what: str) -> np.ndarray:
@@ -561,27 +559,27 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
     def allgather(self, row: np.ndarray) -> np.ndarray:
         row = np.ascontiguousarray(row)
         out = self._gather(row, "Allgather")
-        self._sent(row.nbytes * (self.size - 1))
+        self.count(Call.ALLGATHER, row.nbytes)
         return out
 
     def allgather_text(self, text: str, width: int = 512) -> List[str]:
         raw = np.frombuffer(text.encode()[:width].ljust(width, b"\0"), dtype=np.uint8)
         texts = self.hub.wait(Collective("allgather_text", "Allgather of text", raw))
-        self.bytes_control += width * (self.size - 1)
+        self.count(Call.ALLGATHER, width, control=True)
         return list(texts)
 
     def iallgather(self, row: np.ndarray, what: str = "Iallgather"):
         """Completed at once (every replica of the process posts it at the same point): (request, out, row)."""
         row = np.array(row, copy=True, order="C")
         out = self._gather(row, what)
-        self._sent(row.nbytes * (self.size - 1))
+        self.count(Call.ALLGATHER, row.nbytes)
         return _Done(), out, row
 
     def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("a population's Allreduce needs a contiguous CPU tensor")
         self.hub.wait(Collective("allreduce", "Allreduce", t))
-        self._sent(self._ring(t.numel() * t.element_size(), self.size))
+        self.count(Call.ALLREDUCE, t.numel() * t.element_size())
         return t
 
     def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
@@ -589,19 +587,19 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
             raise KeyError(op)
         buf = np.array(values, dtype=np.float64, copy=True)
         out = self.hub.wait(Collective("allreduce", what, buf, op=op))
-        self.bytes_control += self._ring(buf.nbytes, self.size)
+        self.count(Call.ALLREDUCE, buf.nbytes, control=True)
         return out
 
     def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
         send = np.ascontiguousarray(counts, dtype=np.int64)
         table = self._gather(send, "Alltoall of counts")
-        self.bytes_control += send.nbytes * (self.size - 1) // max(self.size, 1)
+        self.count(Call.ALLTOALL, send.itemsize, control=True)
         return np.ascontiguousarray(table[:, self.rank])
 
     def bcast_(self, t: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
         root = self.root(root)
         self.hub.wait(Collective("bcast", f"Bcast from rank {root}", t, root=root))
-        self._bcast_bytes(t.numel() * t.element_size(), root)
+        self.count(Call.BCAST, t.numel() * t.element_size(), root=self.rank == root, control=True)
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: Optional[int] = None,
@@ -610,26 +608,28 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
         mine = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else None
         shape = tuple(int(k) for k in np.atleast_1d(shape))
         out = self.hub.wait(Collective("bcast", what, (mine, shape, dtype), root=root))
-        self._bcast_bytes(out.nbytes, root)
+        self.count(Call.BCAST, out.nbytes, root=self.rank == root, control=True)
         return out
 
     def gather_rows(self, rows: np.ndarray, root: Optional[int] = None) -> Optional[List[np.ndarray]]:
         root = self.root(root)
         rows = np.ascontiguousarray(rows, dtype=np.float64)
-        self.bytes_control += 8 * (self.size - 1) + (rows.nbytes if self.rank != root else 0)
+        self.count(Call.GATHERV, rows.nbytes, root=self.rank == root, control=True)
         return self.hub.wait(Collective("gather_rows", f"Gatherv of log rows to rank {root}", rows, root=root))
 
     def agree(self, digest: bytes, what: str) -> None:
         row = np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8)
         bad = self.hub.wait(Collective("agree", f"Allgather of digests ({what})", row))
-        self._sent(row.nbytes * (self.size - 1))
+        self.count(Call.ALLGATHER, row.nbytes)
         if bad:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
     def group_mean_(self, t: torch.Tensor, color: int, counts: bool = True) -> int:
-        n = self.hub.wait(Collective("group_mean", "Allreduce inside a group of replicas", (t, int(color),
-                                                                                             bool(counts))))
-        self._sent(self._ring(t.numel() * t.element_size(), n))
+        n, members = self.hub.wait(Collective("group_mean", "Allreduce inside a group of replicas",
+                                              (t, int(color), bool(counts))))
+        # as World's Split counts it: the tensor's Allreduce and the count's (float64), over the color's replicas
+        self.count(Call.ALLREDUCE, t.numel() * t.element_size(), n=members)
+        self.count(Call.ALLREDUCE, 8, n=members)
         return n
 
     def split(self, color: int):
