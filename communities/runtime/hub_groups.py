@@ -7,6 +7,7 @@ communicator made once at set-up. A group lying inside one process never reaches
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -16,7 +17,16 @@ import torch
 from ..core.groups import GroupLayout
 from ..core.placement import tree_sum
 from ..errors import Disagreement
+from .hub_ops import ColorMean
 from .traffic import Call, wire_bytes
+
+
+class Within(enum.Enum):
+    """A call inside a data-parallel group."""
+
+    SUM = "allreduce"  # a tensor, summed in place
+    ARRAY = "array"  # a float64 array, reduced by ``op``
+    BCAST = "bcast"  # from replica ``root``: a tensor in place, or (array, shape, dtype)
 
 
 @dataclass
@@ -25,7 +35,7 @@ class GroupOp:
     group in this process has brought its own."""
 
     group: int
-    kind: str  # allreduce (a tensor, summed in place) | array (float64, op) | bcast (from replica ``root``)
+    kind: Within
     what: str
     value: Any
     root: int = -1
@@ -73,7 +83,7 @@ class GroupCalls:
     def _complete(self, local: List[int], ops: List[GroupOp]) -> List[Any]:
         """A group's call: a tree over its members here, in rank order; one MPI call more where it spans processes."""
         kind, comm = ops[0].kind, self.comm
-        if kind == "allreduce":
+        if kind is Within.SUM:
             values = [o.value for o in ops]
             total = tree_sum(values)
             if comm is not None:
@@ -81,7 +91,7 @@ class GroupCalls:
             for v in values:
                 v.copy_(total)
             return values
-        if kind == "array":
+        if kind is Within.ARRAY:
             arrays = [np.asarray(o.value, dtype=np.float64) for o in ops]
             if ops[0].op == "sum":
                 summed: np.ndarray = tree_sum([torch.from_numpy(a) for a in arrays]).numpy()
@@ -122,7 +132,7 @@ class HubGroup:
         self.member = layout.member_of(world.rank)
         self.group = layout.group_of(world.rank)
 
-    def _wait(self, kind: str, what: str, value: Any, root: int = -1, op: str = "sum") -> Any:
+    def _wait(self, kind: Within, what: str, value: Any, root: int = -1, op: str = "sum") -> Any:
         return self.world.hub.wait(GroupOp(self.group, kind, what, value, root, op))
 
     def _members(self) -> int:
@@ -132,13 +142,13 @@ class HubGroup:
     def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("a population's Allreduce needs a contiguous CPU tensor")
-        self._wait("allreduce", "Allreduce inside a data-parallel group", t)
+        self._wait(Within.SUM, "Allreduce inside a data-parallel group", t)
         self.world.count_in_group(wire_bytes(Call.ALLREDUCE, t.numel() * t.element_size(), self._members()))
         return t
 
     def allreduce_array(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         buf = np.array(values, dtype=np.float64, copy=True)
-        out = self._wait("array", "Allreduce of values inside a data-parallel group", buf, op=op)
+        out = self._wait(Within.ARRAY, "Allreduce of values inside a data-parallel group", buf, op=op)
         self.world.count(Call.ALLREDUCE, buf.nbytes, control=True, n=self._members())
         return out
 
@@ -147,7 +157,7 @@ class HubGroup:
 
     def bcast_(self, t: torch.Tensor, root_member: int) -> torch.Tensor:
         root = self._root(root_member)
-        self._wait("bcast", "Bcast inside a data-parallel group", t, root=root)
+        self._wait(Within.BCAST, "Bcast inside a data-parallel group", t, root=root)
         nbytes = t.numel() * t.element_size()
         self.world.count_in_group(wire_bytes(Call.BCAST, nbytes, self._members(), root=self.world.rank == root))
         return t
@@ -156,33 +166,33 @@ class HubGroup:
         root = self._root(root_member)
         shape = tuple(int(k) for k in np.atleast_1d(shape))
         mine = np.ascontiguousarray(arr, dtype=dtype) if self.world.rank == root else None
-        out = self._wait("bcast", "Bcast of values inside a data-parallel group", (mine, shape, dtype), root=root)
+        out = self._wait(Within.BCAST, "Bcast of values inside a data-parallel group", (mine, shape, dtype), root=root)
         self.world.count_in_group(wire_bytes(Call.BCAST, out.nbytes, self._members(), root=self.world.rank == root))
         return out
 
 
-def color_means(world, ops: List[Any]) -> List[Any]:
+def color_means(world, ops: List[ColorMean]) -> List[Any]:
     """A population hub's ``group_mean_`` (community models): each replica's tensor of ``ops`` (the process's
     replicas, each ``(tensor, color, counts)``) becomes the mean over the replicas of its color that count, a tree in
     memory per color then one Allreduce of every color's sum across processes. Each replica gets how many of its
     color counted, and how many replicas alive have its color (the group its bytes are counted over)."""
-    colors = world.allgather(np.array([op.value[1] for op in ops], dtype=np.int64)).reshape(-1)
+    colors = world.allgather(np.array([op.color for op in ops], dtype=np.int64)).reshape(-1)
     alive = np.repeat(np.asarray(world.alive, dtype=bool), len(ops))  # (a lost process's rows: zeros, not colors)
     palette = np.unique(colors)
-    tensors = [op.value[0] for op in ops]
+    tensors = [op.tensor for op in ops]
     sums = torch.zeros((len(palette),) + tuple(tensors[0].shape), dtype=tensors[0].dtype)
     counted = np.zeros(len(palette))
     for c, color in enumerate(palette):
-        members = [(t if op.value[2] else torch.zeros_like(t)) for t, op in zip(tensors, ops)
-                   if op.value[1] == color]
+        members = [(t if op.counts else torch.zeros_like(t)) for t, op in zip(tensors, ops)
+                   if op.color == color]
         if members:
             sums[c].copy_(tree_sum(members))
-            counted[c] = sum(1 for op in ops if op.value[1] == color and op.value[2])
+            counted[c] = sum(1 for op in ops if op.color == color and op.counts)
     world.allreduce_sum_(sums.view(-1))
     counted = world.allreduce_array(counted)
     out = []
     for t, op in zip(tensors, ops):
-        c = int(np.searchsorted(palette, op.value[1]))
+        c = int(np.searchsorted(palette, op.color))
         t.copy_(sums[c]).div_(max(int(counted[c]), 1))
-        out.append((int(counted[c]), int(np.count_nonzero((colors == op.value[1]) & alive))))
+        out.append((int(counted[c]), int(np.count_nonzero((colors == op.color) & alive))))
     return out
