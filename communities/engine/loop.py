@@ -106,7 +106,7 @@ class Engine:
         self.snapshots = RoundSnapshots(world, Path(run_dir)) if cfg.output.round_snapshots else None
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
-                                    device, self.replica.flat.numel())
+                                    device, n_params=self.replica.flat.numel())
         self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log,
                           lm=language_model(self.replica.data.dataset),
                           logs_merges=self.groups is None or self.groups.leads_group)
@@ -228,7 +228,7 @@ class Engine:
         self.log.consensus(self.consensus.evaluate_due(t))
         self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss,
-                             self.replica.epsilon if self.replica.dp is not None else None)
+                             epsilon=self.replica.epsilon if self.replica.dp is not None else None)
         stop = decision is not None and decision.stop  # identical on every rank (virtual clock): a signal is moot
         if self.cfg.protocol == "async" and self.rounds.due(t):  # a population's replicas stop together: once
             member = self.groups is not None and not self.groups.leads_group  # (a group's view is its lead's)
@@ -262,7 +262,7 @@ class Engine:
             decision = self.consensus.observe(rnd, self.mixer.annealed(t), self.mode.dispersion(rnd))
             if self.snapshots is not None:
                 self.snapshots.save(rnd.index, t, self.replica.flat, self.replica.n_params)
-        self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker, mode)
+        self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker, mode=mode)
         return decision
 
     # ------------------------------------------------------------------ stop and finish
@@ -371,8 +371,8 @@ class Engine:
                   "planned_epsilon": replica.dp.planned_epsilon}
         com = self.mixer.strategy.communities
         labels = None if com is None else np.repeat(com.labels, cfg.train.group_size)  # (a group's, per replica)
-        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views, dp,
-                                  None if replica.hyper is None else replica.hyper.values, labels,
+        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, views=self.rounds.views,
+                                  dp=dp, hyper=None if replica.hyper is None else replica.hyper.values, labels=labels,
                                   test_loss=replica.test_loss)
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed

@@ -51,7 +51,7 @@ Span = Tuple[int, int]  # the elements [lo, hi) of the weights whose distance th
 
 
 def swap_and_merge(world: WorldView, flat: torch.Tensor, recv: torch.Tensor, peer: int, a: float,
-                   tag: int = Tag.WEIGHTS, distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
+                   *, tag: int = Tag.WEIGHTS, distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
     """Exchange ``flat`` (or ``send`` in its place) with ``peer`` into ``recv`` and merge in place; returns
     ||w_mine - w_peer|| (or nan). The plain path: ``torch.dist``, then ``lerp_``."""
     world.sendrecv(flat if send is None else send, recv, peer, tag=tag)
@@ -109,7 +109,7 @@ def _swap_chunks_(world: WorldView, flat: torch.Tensor, peer: int, a: float, buf
     return own, (shown if lie else own)
 
 
-def swap_and_merge_chunked(world: WorldView, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers,
+def swap_and_merge_chunked(world: WorldView, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers, *,
                            tag: int = Tag.WEIGHTS, distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
     """``swap_and_merge`` one 1 MiB chunk at a time: Sendrecv a chunk, merge it while it is in cache.
 
@@ -187,7 +187,7 @@ class Header:
 
 
 def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int,
-           alpha: Optional[float] = None) -> Tuple[float, Event]:
+           *, alpha: Optional[float] = None) -> Tuple[float, Event]:
     """(a, event): the weight this side gives the partner's weights, and what the exchange does.
 
     A diverged model is never merged into a healthy one: the healthy side keeps
@@ -202,7 +202,7 @@ def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int,
     if other.diverged:
         return 0.0, Event.SKIP_DIVERGED
     a = merge.coefficient(merge_cfg.rule, merge.Side(mine.samples, mine.loss), merge.Side(other.samples, other.loss),
-                          merge_cfg.alpha if alpha is None else alpha, t, merge_cfg.ema)
+                          merge_cfg.alpha if alpha is None else alpha, t, ema=merge_cfg.ema)
     return a, Event.MERGE
 
 

@@ -140,7 +140,7 @@ class Delivery:
         with r.holding(consensus, fresh_optimizer=True):
             with self.timer("train"):
                 for u in range(1, cfg.consensus.finetune_units + 1):
-                    train.train_unit(r.model, r.opt, r.data.x, r.data.y, cfg.train, cfg.seed, r.rank, t + u)
+                    train.train_unit(r.model, r.opt, r.data.x, r.data.y, cfg.train, seed=cfg.seed, rank=r.rank, t=t + u)
             with self.timer("eval"):
                 return r.evaluate_local() if r.has_local_test else (float("nan"), float("nan"))
 

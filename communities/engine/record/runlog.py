@@ -111,7 +111,7 @@ class RunLog:
                 self.board.consensus(rows)
 
     def round(self, rnd: Optional[RoundResult], law: Optional[Law], decision: Optional[Decision],
-              agreement: bytes, tracker: Optional[ExampleTracker], mode: Optional[dict] = None) -> None:
+              agreement: bytes, tracker: Optional[ExampleTracker], *, mode: Optional[dict] = None) -> None:
         """At a signature round: gather the rows, write the round, log the example tables.
 
         ``mode``: consensus.mode's entry for round.json (frozen communities, auto's verdict), if any.
@@ -235,7 +235,7 @@ class RunLog:
         self.writer.write_json("models/communities.json", record)
 
     def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
-               tracker: Optional[ExampleTracker], views: Optional[List[list]] = None,
+               tracker: Optional[ExampleTracker], *, views: Optional[List[list]] = None,
                dp: Optional[dict] = None, hyper: Optional[np.ndarray] = None,
                labels: Optional[np.ndarray] = None, test_loss: float = float("nan")) -> Optional[Summary]:
         """Gather every rank's final figures; rank 0 writes ``consensus.pt`` and ``summary.json`` and returns it.

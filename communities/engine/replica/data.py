@@ -77,7 +77,7 @@ def load_replica_data(cfg: "Config", world: WorldView, device: torch.device) -> 
     ds, fp, own_group = on_every_rank(world, lambda: _read(cfg, world))
     test_split = _check_same_data(cfg, world, ds, fp)
     combined = _combine_shards(cfg, world, ds, own_group) if ds.sharded else None
-    return on_every_rank(world, lambda: _place(cfg, world, device, ds, test_split, combined))
+    return on_every_rank(world, lambda: _place(cfg, world, device, ds, test_split, combined=combined))
 
 
 def _read(cfg: "Config", world: WorldView) -> Tuple[data.Dataset, Tuple[str, str], Optional[int]]:
@@ -170,7 +170,7 @@ def _combine_shards(cfg: "Config", world: WorldView, ds: data.Dataset, own_group
 
 
 def _place(cfg: "Config", world: WorldView, device: torch.device, ds: data.Dataset, test_split: str,
-           combined: Optional[Tuple[List[data.Shard], np.ndarray, List[List[int]], List[int]]]) -> ReplicaData:
+           *, combined: Optional[Tuple[List[data.Shard], np.ndarray, List[List[int]], List[int]]]) -> ReplicaData:
     """This rank's shard (the partition's, or a sharded reader's own) as tensors on the device, and its local
     test data (data.local_test_fraction) held out of it."""
     label_counts: Optional[List[List[int]]] = None

@@ -124,7 +124,7 @@ class Replica:
 
     @classmethod
     def build(cls, cfg: "Config", world: WorldView, device: torch.device, timer: Timer, faults: NoFaults,
-              groups: Optional["GroupWorld"] = None) -> "Replica":
+              *, groups: Optional["GroupWorld"] = None) -> "Replica":
         """Load and place the data, build the model and share rank 0's initial weights (with groups of
         ``train.group_size``, a group's own initial weights among its members)."""
         placed = load_replica_data(cfg, world, device)
@@ -176,8 +176,8 @@ class Replica:
                     rows = self.tracker.training_rows(t)
                     x, y = self.tracker.view(rows)
                 hook = _batch_hook(self.faults, t, between_batches)
-                res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
-                                       grad_sync=grad_sync, between_batches=hook, private=self.private)
+                res = train.train_unit(self.model, self.opt, x, y, cfg.train, seed=cfg.seed, rank=self.rank, t=t,
+                                       steps=steps, grad_sync=grad_sync, between_batches=hook, private=self.private)
                 if self.tracker is not None and rows is not None:
                     self.tracker.trained(rows)
             self.faults.during_unit(t)

@@ -47,7 +47,7 @@ class _WeightSignature:
         sc = cfg.signature
         self.n_params = replica.n_params
         sk = world.shared(("sketch", sc.kind, replica.n_params, sc.dim), lambda: signature.make_sketch(
-            sc.kind, replica.n_params, sc.dim, cfg.seed, replica.device, replica.flat.dtype))
+            sc.kind, replica.n_params, sc.dim, cfg.seed, replica.device, dtype=replica.flat.dtype))
         ref = sk(replica.flat[: replica.n_params]).numpy() if world.leads else None
         self.signer = signature.Signer(sk, world.bcast_array(ref, (sc.dim,), np.float64))
 

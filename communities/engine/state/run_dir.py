@@ -91,19 +91,19 @@ class RunDirectory:
         return self.path / "checkpoints"
 
     def open(self, overwrite: bool, resume: Resume, partition: Callable[[], dict], argv: List[str],
-             device: torch.device, n_params: int) -> Optional[Path]:
+             device: torch.device, *, n_params: int) -> Optional[Path]:
         """Lock, then create or continue the directory (a collective); returns the checkpoint every rank loads.
 
         ``partition`` gives ``partition.json``'s record; rank 0 calls it inside the collective check.
         """
         try:
-            return self._open(overwrite, resume, partition, argv, device, n_params)
+            return self._open(overwrite, resume, partition, argv, device, n_params=n_params)
         except BaseException:
             self.release()
             raise
 
     def _open(self, overwrite: bool, resume: Resume, partition: Callable[[], dict], argv: List[str],
-              device: torch.device, n_params: int) -> Optional[Path]:
+              device: torch.device, *, n_params: int) -> Optional[Path]:
         w = self.world
 
         def lock_and_list() -> str:
@@ -392,4 +392,5 @@ def describe_partition(replica) -> dict:
     ds = replica.data.dataset
     kind = data.SHARDED if ds.sharded else replica.cfg.data.partition
     return data.describe(replica.data.shards, ds.y_train, kind, len(ds.y_test), replica.data.label_counts,
-                         replica.data.local_test_sizes, replica.cfg.data.shift, ds.text, replica.cfg.data.groups)
+                         local_test_sizes=replica.data.local_test_sizes, shift=replica.cfg.data.shift, text=ds.text,
+                         n_groups=replica.cfg.data.groups)
