@@ -26,7 +26,8 @@ class Within(enum.Enum):
 
     SUM = "allreduce"  # a tensor, summed in place
     ARRAY = "array"  # a float64 array, reduced by ``op``
-    BCAST = "bcast"  # from replica ``root``: a tensor in place, or (array, shape, dtype)
+    BCAST = "bcast"  # replica ``root``'s tensor, in place
+    BCAST_ARRAY = "bcast array"  # replica ``root``'s array (None elsewhere) of ``shape`` and ``dtype``: a copy each
 
 
 @dataclass
@@ -37,9 +38,11 @@ class GroupOp:
     group: int
     kind: Within
     what: str
-    value: Any
+    value: Any  # the tensor (SUM, BCAST), the float64 array (ARRAY), the root's array or None (BCAST_ARRAY)
     root: int = -1
     op: str = "sum"
+    shape: Tuple[int, ...] = ()  # BCAST_ARRAY
+    dtype: Any = None  # BCAST_ARRAY
 
 
 class GroupCalls:
@@ -75,7 +78,7 @@ class GroupCalls:
             return []
         del self.waiting[op.group]
         ops = [waiting[m] for m in local]
-        if len({(o.kind, o.what, o.root, o.op) for o in ops}) > 1:
+        if len({(o.kind, o.what, o.root, o.op, o.shape) for o in ops}) > 1:
             raise Disagreement(f"the members of group {op.group} entered different calls: "
                                f"{sorted({o.what for o in ops})}")
         return list(zip(local, self._complete(local, ops)))
@@ -102,7 +105,7 @@ class GroupCalls:
             return [summed.copy() for _ in ops]
         root = ops[0].root
         here = root in local
-        if isinstance(ops[0].value, torch.Tensor):
+        if kind is Within.BCAST:
             tensors: List[torch.Tensor] = [o.value for o in ops]
             buf = tensors[local.index(root)] if here else tensors[0]
             if comm is not None:
@@ -111,7 +114,7 @@ class GroupCalls:
                 if v is not buf:
                     v.copy_(buf)
             return list(tensors)
-        arr, shape, dtype = ops[local.index(root)].value if here else ops[0].value
+        arr, shape, dtype = (ops[local.index(root)].value if here else None), ops[0].shape, ops[0].dtype
         if comm is not None:
             arr = comm.bcast_array(arr if here else None, shape, dtype, self._root(root))
         return [np.array(arr, dtype=dtype, copy=True) for _ in ops]
@@ -132,8 +135,9 @@ class HubGroup:
         self.member = layout.member_of(world.rank)
         self.group = layout.group_of(world.rank)
 
-    def _wait(self, kind: Within, what: str, value: Any, root: int = -1, op: str = "sum") -> Any:
-        return self.world.hub.wait(GroupOp(self.group, kind, what, value, root, op))
+    def _wait(self, kind: Within, what: str, value: Any, *, root: int = -1, op: str = "sum",
+              shape: Tuple[int, ...] = (), dtype: Any = None) -> Any:
+        return self.world.hub.wait(GroupOp(self.group, kind, what, value, root, op, shape, dtype))
 
     def _members(self) -> int:
         alive = self.world.alive
@@ -166,7 +170,8 @@ class HubGroup:
         root = self._root(root_member)
         shape = tuple(int(k) for k in np.atleast_1d(shape))
         mine = np.ascontiguousarray(arr, dtype=dtype) if self.world.rank == root else None
-        out = self._wait(Within.BCAST, "Bcast of values inside a data-parallel group", (mine, shape, dtype), root=root)
+        out = self._wait(Within.BCAST_ARRAY, "Bcast of values inside a data-parallel group", mine, root=root,
+                         shape=shape, dtype=dtype)
         self.world.count_in_group(wire_bytes(Call.BCAST, out.nbytes, self._members(), root=self.world.rank == root))
         return out
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from communities.runtime import contract, population
+from communities.runtime import contract, hub_ops, population
 from communities.runtime.comm import World
 from communities.runtime.membership import Membership
 from communities.runtime.traffic import Call, wire_bytes
@@ -116,3 +116,10 @@ def test_a_replicas_group_mean_counts_as_worlds_split_does(world):
 
     for sent in population.run_population(world, 6, replica):
         assert sent == wire_bytes(Call.ALLREDUCE, 40, 3) + wire_bytes(Call.ALLREDUCE, 8, 3)
+
+
+def test_the_hub_completes_every_kind_of_collective_a_replica_may_hand_it():
+    kinds = {c for c in vars(hub_ops).values()
+             if isinstance(c, type) and issubclass(c, hub_ops.Collective) and c is not hub_ops.Collective}
+    assert kinds == set(population._COMPLETE)
+    assert all(issubclass(k, hub_ops.Collective) for k in hub_ops.IN_PROCESS)
