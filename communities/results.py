@@ -497,7 +497,7 @@ class MergeRow(_Record):
     event: int  # an Event
 
     @classmethod
-    def pairwise(cls, t: int, rank: int, partner: int, initiator: int, a: float, update: float, distance: float,
+    def pairwise(cls, t: int, rank: int, partner: int, initiator: int, a: float, *, update: float, distance: float,
                  sent: int, event: Event) -> "MergeRow":
         """This rank's side of an exchange with ``partner`` (merged, skipped or reset: ``event``)."""
         return cls(t, rank, partner, initiator, a, update, distance, sent, int(event))
@@ -519,7 +519,7 @@ class MergeRow(_Record):
         return cls(t, rank, -1, -1, 0.0, 0.0, float("nan"), 0, int(Event.LOST))
 
     @classmethod
-    def adopted(cls, t: int, rank: int, partner: int, initiator: int, score: float, partner_score: float
+    def adopted(cls, t: int, rank: int, partner: int, initiator: int, score: float, *, partner_score: float
                 ) -> "MergeRow":
         """pbt: ``rank`` adopted ``partner``'s hyperparameters; the two scores are kept in the norm columns."""
         return cls(t, rank, partner, initiator, 0.0, score, partner_score, 0, int(Event.ADOPT))

@@ -604,7 +604,7 @@ class ExampleTable:
         feat = np.ascontiguousarray(chosen, dtype=np.float32).reshape(rows.size, numel)
         fields = {f: getattr(self, f)[rows] for f in _INT_FIELDS}
         return _build(fields, self.confidence[rows], feat, self.form.to_int64(self.visited[rows]), self.form,
-                      numel, rows.size if n_max is None else n_max)
+                      feature_numel=numel, n_max=rows.size if n_max is None else n_max)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -663,14 +663,14 @@ def table_from_state(state: dict) -> ExampleTable:
             raise ValueError(f"example table state: {f} has {a.size} entries, ids {n}")
         setattr(out, f, a)
     _check_rows(out.status.astype(np.int64), out.high_streak, out.reserve_age, out.forgets, out.confidence,
-                "example table state")
+                what="example table state")
     out.visited = out.form.from_int64(np.array(_numpy(state["visited"]), dtype=np.int64).reshape(n, -1)
                                       if n else np.zeros((0, out.form.width), np.int64), "example table state")
     out.forgetting_events = int(state["forgetting_events"])
     return out
 
 
-def _check_rows(status, high_streak, reserve_age, forgets, confidence, what: str) -> None:
+def _check_rows(status, high_streak, reserve_age, forgets, confidence, *, what: str) -> None:
     if not np.isin(status, (ACTIVE, RESERVE, RETIRED)).all():
         raise ValueError(f"{what}: status outside {{0, 1, 2}}")
     for name, a in (("high_streak", high_streak), ("reserve_age", reserve_age), ("forgets", forgets)):
@@ -686,7 +686,7 @@ def _check_rows(status, high_streak, reserve_age, forgets, confidence, what: str
 # ----------------------------------------------------------------------------- packets
 
 def _build(fields: dict, confidence: np.ndarray, feat: np.ndarray, visited_i64: np.ndarray, form: VisitedForm,
-           feature_numel: int, n_max: int) -> Tuple[np.ndarray, np.ndarray]:
+           *, feature_numel: int, n_max: int) -> Tuple[np.ndarray, np.ndarray]:
     n = int(confidence.size)
     n_max = int(n_max)
     if n_max < n:
@@ -751,7 +751,7 @@ def _parse(floats, ints, form: Optional[VisitedForm], feature_numel: Optional[in
     return form, n, f, feat_all[:n], conf_all[:n], {k: b[:n] for k, b in blocks.items()}, vis_all[:n]
 
 
-def unpack(floats, ints, feature_shape, world: int, visited: str = "auto", capacity: int = RECENT_CAPACITY,
+def unpack(floats, ints, feature_shape, world: int, visited: str = "auto", *, capacity: int = RECENT_CAPACITY,
            n_total: Optional[int] = None, n_classes: Optional[int] = None):
     """Validate a peer's packet and return ``(x, y, table)``: features (n, *feature_shape) float32, labels, rows.
 
@@ -773,7 +773,7 @@ def unpack(floats, ints, feature_shape, world: int, visited: str = "auto", capac
     if (labels < 0).any() or (n_classes is not None and (labels >= int(n_classes)).any()):
         raise ValueError(f"example packet has labels outside [0, {n_classes if n_classes is not None else 'inf'})")
     _check_rows(blocks["status"], blocks["high_streak"], blocks["reserve_age"], blocks["forgets"], conf,
-                "example packet")
+                what="example packet")
     if not np.isfinite(feat).all():
         raise ValueError("example packet has non-finite features")
     words = form.from_int64(vis, "example packet")

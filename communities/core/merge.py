@@ -30,7 +30,7 @@ class Side:
     loss: float
 
 
-def coefficient(rule: str, me: Side, other: Side, alpha: float = 0.5, t: int = 0, ema=None) -> float:
+def coefficient(rule: str, me: Side, other: Side, alpha: float = 0.5, t: int = 0, *, ema=None) -> float:
     """a_me: the weight this rank gives its partner's weights."""
     if rule == "constant":
         return float(alpha)

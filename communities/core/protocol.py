@@ -98,7 +98,7 @@ class MergeClock:
 
 def exchange_list(
     initiators: Sequence[int], t: int, seed: int, probabilities: Callable[[int], np.ndarray],
-    rows: Optional[Callable[[List[int]], np.ndarray]] = None, block: int = 64,
+    rows: Optional[Callable[[List[int]], np.ndarray]] = None, *, block: int = 64,
 ) -> List[Exchange]:
     """Ordered exchanges of unit t: each initiator (increasing rank) draws its partner (``partners.draw``).
 

@@ -14,7 +14,7 @@ def progress(t: float, begin: int, horizon: int) -> float:
     return min(1.0, max(0.0, (t - begin) / float(horizon)))
 
 
-def value(t: float, start: float, end: float, shape: str = "linear", begin: int = 0, horizon: int = 100) -> float:
+def value(t: float, start: float, end: float, shape: str = "linear", begin: int = 0, *, horizon: int = 100) -> float:
     """Schedule value at unit t. Shapes: linear, cosine (slow-fast-slow), exp (geometric), constant."""
     u = progress(t, begin, horizon)
     if shape == "constant":
@@ -32,7 +32,7 @@ def value(t: float, start: float, end: float, shape: str = "linear", begin: int 
 
 def evaluate(sched, t: float) -> float:
     """``value`` for a config ``Schedule`` section."""
-    return value(t, sched.start, sched.end, sched.shape, sched.begin, sched.horizon)
+    return value(t, sched.start, sched.end, sched.shape, sched.begin, horizon=sched.horizon)
 
 
 def finished(sched, t: float) -> bool:

@@ -99,7 +99,7 @@ class GaussianSketch:
         return (out / math.sqrt(self.dim)).cpu()
 
 
-def make_sketch(kind: str, n: int, dim: int, seed: int, device="cpu", dtype=torch.float32):
+def make_sketch(kind: str, n: int, dim: int, seed: int, device="cpu", *, dtype=torch.float32):
     if kind == "countsketch":
         return CountSketch(n, dim, seed, device=device, dtype=dtype)
     if kind == "gaussian":

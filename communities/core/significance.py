@@ -113,7 +113,7 @@ def ward_profile(Y: np.ndarray, max_k: int) -> np.ndarray:
 NULLS = ("uniform", "gaussian")
 
 
-def null_scores(s: np.ndarray, n: int, seed: int, t: int, draw: int, null: str = "uniform") -> np.ndarray:
+def null_scores(s: np.ndarray, n: int, seed: int, t: int, draw: int, *, null: str = "uniform") -> np.ndarray:
     """One draw of the null: n rows without communities whose principal axes keep the variances ``s^2``
     (orthonormal columns of independent uniform, or Gaussian, scores)."""
     gen = rng(seed, Purpose.COMMUNITY, t, draw)
@@ -199,7 +199,7 @@ def detect_communities(rows: np.ndarray, *, max_k: int, alpha: float, draws: int
     profiles = np.empty((draws + 1, max_k - 1))
     profiles[0] = ward_profile(Y, max_k)
     for b in range(draws):
-        profiles[b + 1] = ward_profile(null_scores(s[:r], n, seed, t, b, null), max_k)
+        profiles[b + 1] = ward_profile(null_scores(s[:r], n, seed, t, b, null=null), max_k)
     z = _leave_one_out_z(profiles)
     stat = z.max(axis=1)
     p = float(1 + np.count_nonzero(stat[1:] >= stat[0])) / (draws + 1)

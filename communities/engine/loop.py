@@ -33,8 +33,9 @@ from ..manifest import read_info
 from ..results import Summary, TimeCategory, finite_or_none
 from ..runtime import stopflag
 from ..runtime.collective import collective_check, on_every_rank
-from ..runtime.comm import RankLost, World
+from ..runtime.comm import RankLost
 from ..runtime.groups import build_groups
+from ..runtime.view import WorldView
 from ..workload import private
 from . import protocols
 from .faults import make_faults
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 
-def _set_up(cfg: Config, world: World) -> torch.device:
+def _set_up(cfg: Config, world: WorldView) -> torch.device:
     """Every rank's checks and settings before the parts are built (each a step all ranks pass or none does):
     the world and the trackers' and DP's packages, ULFM, the watchdog, threads, determinism, the device."""
     def check() -> None:
@@ -81,7 +82,7 @@ def _set_up(cfg: Config, world: World) -> torch.device:
 class Engine:
     """One rank's engine. Build with ``Engine(cfg, world, run_dir, ...)`` (a collective), then ``run()``."""
 
-    def __init__(self, cfg: Config, world: World, run_dir: Path, *, overwrite: bool = False,
+    def __init__(self, cfg: Config, world: WorldView, run_dir: Path, *, overwrite: bool = False,
                  argv: Optional[List[str]] = None, progress: bool = True, resume: Resume = Resume.FRESH):
         self.cfg, self.world = cfg, world
         resume = Resume(resume)  # a Resume or its value; anything else (a bool) is a ValueError naming it
@@ -98,14 +99,14 @@ class Engine:
         view = world if self.groups is None else self.groups
         self.replica = Replica.build(cfg, world, device, self.timer, self.faults, groups=self.groups)
         self.rounds, self.mixer, self.consensus, collective_log = protocols.build(
-            cfg, view, self.timer, self.replica, self.agreement)  # type: ignore[arg-type]
-        self.mode = CommunityMode(cfg, view, self.timer, replica=self.replica,  # type: ignore[arg-type]
+            cfg, view, self.timer, self.replica, self.agreement)
+        self.mode = CommunityMode(cfg, view, self.timer, replica=self.replica,
                                   strategy=self.mixer.strategy)
         self.mixer.probe = self.mode.probe
         self.snapshots = RoundSnapshots(world, Path(run_dir)) if cfg.output.round_snapshots else None
         self.run_dir = RunDirectory(cfg, world, run_dir)
         resumed = self.run_dir.open(overwrite, resume, lambda: describe_partition(self.replica), argv or sys.argv,
-                                    device, self.replica.flat.numel())
+                                    device, n_params=self.replica.flat.numel())
         self.log = RunLog(cfg, world, self.timer, writer=self.run_dir.writer, collective=collective_log,
                           lm=language_model(self.replica.data.dataset),
                           logs_merges=self.groups is None or self.groups.leads_group)
@@ -227,7 +228,7 @@ class Engine:
         self.log.consensus(self.consensus.evaluate_due(t))
         self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss,
-                             self.replica.epsilon if self.replica.dp is not None else None)
+                             epsilon=self.replica.epsilon if self.replica.dp is not None else None)
         stop = decision is not None and decision.stop  # identical on every rank (virtual clock): a signal is moot
         if self.cfg.protocol == "async" and self.rounds.due(t):  # a population's replicas stop together: once
             member = self.groups is not None and not self.groups.leads_group  # (a group's view is its lead's)
@@ -261,7 +262,7 @@ class Engine:
             decision = self.consensus.observe(rnd, self.mixer.annealed(t), self.mode.dispersion(rnd))
             if self.snapshots is not None:
                 self.snapshots.save(rnd.index, t, self.replica.flat, self.replica.n_params)
-        self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker, mode)
+        self.log.round(rnd, self.mixer.law(t), decision, self.agreement.value, self.replica.tracker, mode=mode)
         return decision
 
     # ------------------------------------------------------------------ stop and finish
@@ -370,8 +371,8 @@ class Engine:
                   "planned_epsilon": replica.dp.planned_epsilon}
         com = self.mixer.strategy.communities
         labels = None if com is None else np.repeat(com.labels, cfg.train.group_size)  # (a group's, per replica)
-        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, self.rounds.views, dp,
-                                  None if replica.hyper is None else replica.hyper.values, labels,
+        summary = self.log.finish(run, replica.test_acc, distance, model, replica.tracker, views=self.rounds.views,
+                                  dp=dp, hyper=None if replica.hyper is None else replica.hyper.values, labels=labels,
                                   test_loss=replica.test_loss)
         self.run_dir.complete(self.log.products)
         self._share_failure()  # the end's writes are rank 0's: every rank must learn whether they failed
@@ -427,7 +428,7 @@ def _env_threads() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
-def run(cfg: Config, world: World, *, overwrite: bool = False, argv: Optional[List[str]] = None,
+def run(cfg: Config, world: WorldView, *, overwrite: bool = False, argv: Optional[List[str]] = None,
         progress: bool = True, resume: Resume = Resume.FRESH) -> Optional[Summary]:
     """Run one training job on this rank; rank 0 returns the summary."""
     run_dir = Path(cfg.output.root) / cfg.name

@@ -71,7 +71,7 @@ class Progress:
                 self.bar = tqdm(total=self.budget, initial=t, desc=self.name, unit="unit", dynamic_ncols=True)
 
     def update(self, t: int, communities: Optional[int], dispersion: float, acc: float, loss: float,
-               epsilon: Optional[float] = None) -> None:
+               *, epsilon: Optional[float] = None) -> None:
         """``epsilon`` (privacy.enabled): rank 0's own epsilon so far."""
         if not self.enabled:
             return

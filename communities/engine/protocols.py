@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 from ..config import Config
 from ..core.protocol import RunningDigest
-from ..runtime.comm import World
 from ..runtime.group_async import LeadView
 from ..runtime.groups import GroupWorld
+from ..runtime.view import WorldView
 from .mixing.async_groups import GroupFollowerMixer, GroupLeadMixer
 from .mixing.async_mixer import AsyncMixer
 from .mixing.async_population import PopulationMixer
@@ -35,7 +35,7 @@ class Parts(NamedTuple):
     collective_log: bool  # may the run log gather rows at every round?
 
 
-def build(cfg: Config, world: World, timer: Timer, replica: Replica, agreement: RunningDigest) -> Parts:
+def build(cfg: Config, world: WorldView, timer: Timer, replica: Replica, agreement: RunningDigest) -> Parts:
     """The protocol-specific parts of a run (every rank calls it: set-up collectives)."""
     if cfg.protocol == "async":
         gossip = GossipRounds(cfg, world, timer, replica=replica, agreement=agreement)

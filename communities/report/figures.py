@@ -165,7 +165,7 @@ def _figure(w: float, h: float, constrained: bool = False):
 
 
 def plot_dendrogram(ax, Z: np.ndarray, groups: Optional[np.ndarray] = None, cut_height: Optional[float] = None,
-                    max_leaves: Optional[int] = MAX_DENDROGRAM_LEAVES, p: int = TRUNCATE_P,
+                    max_leaves: Optional[int] = MAX_DENDROGRAM_LEAVES, *, p: int = TRUNCATE_P,
                     communities: Optional[np.ndarray] = None, palette: Optional[List[tuple]] = None) -> dict:
     """Draw one round's tree on ``ax``; returns scipy's dendrogram dict.
 
@@ -267,7 +267,7 @@ class _DendrogramCanvas:
 
 
 def _dendrogram_figure(view: RunView, k: int, out: Path, stem: str, svg: bool,
-                       canvas: Optional[_DendrogramCanvas] = None) -> List[str]:
+                       *, canvas: Optional[_DendrogramCanvas] = None) -> List[str]:
     Z = view.Zs[k]
     n = view.n
     # A population's tree is truncated to that round's communities, one leaf each (with its rank count).
@@ -450,7 +450,7 @@ def _merge_matrix_figure(view: RunView, out: Path, stem: str, svg: bool) -> List
     return _save(fig, out, stem, svg and n <= 128)
 
 
-def _lines(ax, x: np.ndarray, Y: np.ndarray, color, alpha: float = 0.25, lw: float = 0.6) -> int:
+def _lines(ax, x: np.ndarray, Y: np.ndarray, color, alpha: float = 0.25, *, lw: float = 0.6) -> int:
     """One thin line per row of Y (NaNs skipped) as a single LineCollection; returns points drawn."""
     from matplotlib.collections import LineCollection
 
@@ -769,7 +769,7 @@ def draw_run(view: RunView, out: Path, prefix: str, picked: Sequence[int], svg: 
     canvas = _DendrogramCanvas()
     try:
         for r in picked:
-            names = _dendrogram_figure(view, pos[r], out, f"{prefix}dendrogram_round_{r:04d}", svg, canvas)
+            names = _dendrogram_figure(view, pos[r], out, f"{prefix}dendrogram_round_{r:04d}", svg, canvas=canvas)
             figs.dendrograms.append((r, names))
     finally:
         canvas.close()

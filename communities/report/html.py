@@ -74,7 +74,7 @@ def write_csv(path: Path, rows: List[dict]) -> None:
 
 
 
-def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: str, heading: bool) -> str:
+def run_section(view: RunView, out: Path, prefix: str, figs: RunFigures, note: str, *, heading: bool) -> str:
     """One run's figures and tables (shared by the single-run and the comparison report); writes its rounds.csv."""
     parts = [f'<section><h2>{_e(view.label)}</h2><p><code>{_e(view.path)}</code></p>' if heading else "<section>"]
     parts.append(f"<pre>{_e(summary_text(view))}</pre>")

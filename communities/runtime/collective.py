@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import SETUP_ERRORS, ConfigError, ResultsError, RunComplete, collective
-from .comm import World
+from .view import WorldView
 
 
-def collective_check(world: World, fn, root: Optional[int] = None):
+def collective_check(world: WorldView, fn, root: Optional[int] = None):
     """Run ``fn`` on ``root`` (the lead by default) and share its outcome, so a failure there stops every rank.
 
     A user error is re-raised on every rank as a ConfigError marked collective:
@@ -46,7 +46,7 @@ def collective_check(world: World, fn, root: Optional[int] = None):
     return out
 
 
-def on_every_rank(world: World, fn):
+def on_every_rank(world: WorldView, fn):
     """Run local (collective-free) ``fn`` on every rank; a user error anywhere is raised on every rank.
 
     The error names each failing rank and its message, so rank 0 can print it

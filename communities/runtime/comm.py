@@ -27,6 +27,7 @@ from .membership import Membership
 from .p2p import PointToPoint
 from .staging import Staging
 from .tags import Tag as Tag  # (re-exported: the engine's parts tag their messages from here)
+from .traffic import Call
 from .ulfm import RankLost as RankLost  # (re-exported: the engine catches it from here)
 from .ulfm import ulfm_problem
 from .watchdog import RollCall, Watchdog, WatchedRequest
@@ -153,7 +154,7 @@ class World(PointToPoint):
         out = np.empty((self.n_alive,) + row.shape, dtype=row.dtype)
         with self.collective("Allgather"):
             self.comm.Allgather(row, out)
-        self.bytes_sent += row.nbytes * (self.n_alive - 1)
+        self.count(Call.ALLGATHER, row.nbytes)
         return self.membership.spread(out)
 
     def allgather_text(self, text: str, width: int = 512) -> List[str]:
@@ -162,7 +163,7 @@ class World(PointToPoint):
         out = np.zeros((self.n_alive, width), dtype=np.uint8)
         with self.collective("Allgather of text"):
             self.comm.Allgather(np.frombuffer(raw, dtype=np.uint8), out)
-        self.bytes_control += width * (self.n_alive - 1)
+        self.count(Call.ALLGATHER, width, control=True)
         return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in self.membership.spread(out)]
 
     def iallgather(self, row: np.ndarray, what: str = "Iallgather"):
@@ -173,14 +174,14 @@ class World(PointToPoint):
         row = np.array(row, copy=True, order="C")
         out = np.empty((self.size,) + row.shape, dtype=row.dtype)
         req = WatchedRequest(self.comm.Iallgather(row, out), self, what, seq=self.roll.enter())
-        self.bytes_sent += row.nbytes * (self.size - 1)
+        self.count(Call.ALLGATHER, row.nbytes)
         return req, out, row  # keep ``row`` alive until the request completes
 
     def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks of a contiguous tensor."""
         with self.staging.buffer(t, "reduce") as buf, self.collective("Allreduce"):
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        self.bytes_sent += self._ring(t.numel() * t.element_size(), self.n_alive)
+        self.count(Call.ALLREDUCE, t.numel() * t.element_size())
         return t
 
     def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
@@ -189,7 +190,7 @@ class World(PointToPoint):
         mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
         with self.collective(what):
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
-        self.bytes_control += self._ring(buf.nbytes, self.n_alive)
+        self.count(Call.ALLREDUCE, buf.nbytes, control=True)
         return buf
 
     def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
@@ -199,7 +200,7 @@ class World(PointToPoint):
         recv = np.empty_like(send)
         with self.collective("Alltoall of counts"):
             self.comm.Alltoall(send, recv)
-        self.bytes_control += send.nbytes * (self.n_alive - 1) // max(self.n_alive, 1)
+        self.count(Call.ALLTOALL, send.itemsize, control=True)
         return recv if self.whole else self.membership.spread(recv)
 
     def bcast_(self, t: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
@@ -207,7 +208,7 @@ class World(PointToPoint):
         with self.staging.buffer(t, "bcast", send=self.rank == root) as buf, \
                 self.collective(f"Bcast from rank {root}"):
             self.comm.Bcast(buf, root=self._p(root))
-        self._bcast_bytes(t.numel() * t.element_size(), root)
+        self.count(Call.BCAST, t.numel() * t.element_size(), root=self.rank == root, control=True)
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: Optional[int] = None,
@@ -216,7 +217,7 @@ class World(PointToPoint):
         buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
         with self.collective(f"{what} from rank {root}"):
             self.comm.Bcast(buf, root=self._p(root))
-        self._bcast_bytes(buf.nbytes, root)
+        self.count(Call.BCAST, buf.nbytes, root=self.rank == root, control=True)
         return buf
 
     def gather_rows(self, rows: np.ndarray, root: Optional[int] = None) -> Optional[List[np.ndarray]]:
@@ -227,7 +228,7 @@ class World(PointToPoint):
         counts = np.empty(self.n_alive, dtype=np.int64)
         with self.collective("Allgather of log sizes"):
             self.comm.Allgather(np.array([rows.size], dtype=np.int64), counts)
-        self.bytes_control += counts.itemsize * (self.n_alive - 1) + (rows.nbytes if self.rank != root else 0)
+        self.count(Call.GATHERV, rows.nbytes, root=self.rank == root, control=True)
         with self.collective(f"Gatherv of log rows to rank {root}"):
             if self.rank == root:
                 recv = np.empty(int(counts.sum()), dtype=np.float64)
@@ -306,7 +307,7 @@ class Subgroup:
         what = f"Allreduce inside a group of {self.size} ranks (a Comm.Split of the world)"
         with w.staging.buffer(t, "reduce") as buf, w.watchdog.waiting(what):
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        w.bytes_sent += w._ring(t.numel() * t.element_size(), self.size)
+        w.count(Call.ALLREDUCE, t.numel() * t.element_size(), n=self.size)
         return t
 
     def allreduce_array(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -315,7 +316,7 @@ class Subgroup:
         buf = np.array(values, dtype=np.float64, copy=True)
         with w.watchdog.waiting(f"Allreduce of {buf.size} values inside a group of {self.size} ranks"):
             self.comm.Allreduce(MPI.IN_PLACE, buf, op={"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
-        w.bytes_control += w._ring(buf.nbytes, self.size)
+        w.count(Call.ALLREDUCE, buf.nbytes, control=True, n=self.size)
         return buf
 
     def bcast_(self, t: torch.Tensor, root: int) -> torch.Tensor:
@@ -324,8 +325,7 @@ class Subgroup:
         with w.staging.buffer(t, "bcast", send=self.rank == root) as buf, \
                 w.watchdog.waiting(f"Bcast inside a group of {self.size} ranks from its rank {root}"):
             self.comm.Bcast(buf, root=root)
-        if self.rank == root:
-            w.bytes_sent += t.numel() * t.element_size() * (self.size - 1)
+        w.count(Call.BCAST, t.numel() * t.element_size(), root=self.rank == root, n=self.size)
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: int) -> np.ndarray:
@@ -334,8 +334,7 @@ class Subgroup:
         buf = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else np.empty(shape, dtype=dtype)
         with w.watchdog.waiting(f"Bcast of {buf.nbytes} bytes inside a group of {self.size} ranks"):
             self.comm.Bcast(buf, root=root)
-        if self.rank == root:
-            w.bytes_sent += buf.nbytes * (self.size - 1)
+        w.count(Call.BCAST, buf.nbytes, root=self.rank == root, n=self.size)
         return buf
 
     def free(self) -> None:

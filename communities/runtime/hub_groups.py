@@ -7,6 +7,7 @@ communicator made once at set-up. A group lying inside one process never reaches
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -16,6 +17,17 @@ import torch
 from ..core.groups import GroupLayout
 from ..core.placement import tree_sum
 from ..errors import Disagreement
+from .hub_ops import ColorMean
+from .traffic import Call, wire_bytes
+
+
+class Within(enum.Enum):
+    """A call inside a data-parallel group."""
+
+    SUM = "allreduce"  # a tensor, summed in place
+    ARRAY = "array"  # a float64 array, reduced by ``op``
+    BCAST = "bcast"  # replica ``root``'s tensor, in place
+    BCAST_ARRAY = "bcast array"  # replica ``root``'s array (None elsewhere) of ``shape`` and ``dtype``: a copy each
 
 
 @dataclass
@@ -24,11 +36,13 @@ class GroupOp:
     group in this process has brought its own."""
 
     group: int
-    kind: str  # allreduce (a tensor, summed in place) | array (float64, op) | bcast (from replica ``root``)
+    kind: Within
     what: str
-    value: Any
+    value: Any  # the tensor (SUM, BCAST), the float64 array (ARRAY), the root's array or None (BCAST_ARRAY)
     root: int = -1
     op: str = "sum"
+    shape: Tuple[int, ...] = ()  # BCAST_ARRAY
+    dtype: Any = None  # BCAST_ARRAY
 
 
 class GroupCalls:
@@ -64,7 +78,7 @@ class GroupCalls:
             return []
         del self.waiting[op.group]
         ops = [waiting[m] for m in local]
-        if len({(o.kind, o.what, o.root, o.op) for o in ops}) > 1:
+        if len({(o.kind, o.what, o.root, o.op, o.shape) for o in ops}) > 1:
             raise Disagreement(f"the members of group {op.group} entered different calls: "
                                f"{sorted({o.what for o in ops})}")
         return list(zip(local, self._complete(local, ops)))
@@ -72,7 +86,7 @@ class GroupCalls:
     def _complete(self, local: List[int], ops: List[GroupOp]) -> List[Any]:
         """A group's call: a tree over its members here, in rank order; one MPI call more where it spans processes."""
         kind, comm = ops[0].kind, self.comm
-        if kind == "allreduce":
+        if kind is Within.SUM:
             values = [o.value for o in ops]
             total = tree_sum(values)
             if comm is not None:
@@ -80,7 +94,7 @@ class GroupCalls:
             for v in values:
                 v.copy_(total)
             return values
-        if kind == "array":
+        if kind is Within.ARRAY:
             arrays = [np.asarray(o.value, dtype=np.float64) for o in ops]
             if ops[0].op == "sum":
                 summed: np.ndarray = tree_sum([torch.from_numpy(a) for a in arrays]).numpy()
@@ -91,7 +105,7 @@ class GroupCalls:
             return [summed.copy() for _ in ops]
         root = ops[0].root
         here = root in local
-        if isinstance(ops[0].value, torch.Tensor):
+        if kind is Within.BCAST:
             tensors: List[torch.Tensor] = [o.value for o in ops]
             buf = tensors[local.index(root)] if here else tensors[0]
             if comm is not None:
@@ -100,7 +114,7 @@ class GroupCalls:
                 if v is not buf:
                     v.copy_(buf)
             return list(tensors)
-        arr, shape, dtype = ops[local.index(root)].value if here else ops[0].value
+        arr, shape, dtype = (ops[local.index(root)].value if here else None), ops[0].shape, ops[0].dtype
         if comm is not None:
             arr = comm.bcast_array(arr if here else None, shape, dtype, self._root(root))
         return [np.array(arr, dtype=dtype, copy=True) for _ in ops]
@@ -121,8 +135,9 @@ class HubGroup:
         self.member = layout.member_of(world.rank)
         self.group = layout.group_of(world.rank)
 
-    def _wait(self, kind: str, what: str, value: Any, root: int = -1, op: str = "sum") -> Any:
-        return self.world.hub.wait(GroupOp(self.group, kind, what, value, root, op))
+    def _wait(self, kind: Within, what: str, value: Any, *, root: int = -1, op: str = "sum",
+              shape: Tuple[int, ...] = (), dtype: Any = None) -> Any:
+        return self.world.hub.wait(GroupOp(self.group, kind, what, value, root, op, shape, dtype))
 
     def _members(self) -> int:
         alive = self.world.alive
@@ -131,16 +146,14 @@ class HubGroup:
     def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("a population's Allreduce needs a contiguous CPU tensor")
-        self._wait("allreduce", "Allreduce inside a data-parallel group", t)
-        sent = self.world._ring(t.numel() * t.element_size(), self._members())
-        self.world.bytes_sent += sent
-        self.world.bytes_in_group += sent
+        self._wait(Within.SUM, "Allreduce inside a data-parallel group", t)
+        self.world.count_in_group(wire_bytes(Call.ALLREDUCE, t.numel() * t.element_size(), self._members()))
         return t
 
     def allreduce_array(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         buf = np.array(values, dtype=np.float64, copy=True)
-        out = self._wait("array", "Allreduce of values inside a data-parallel group", buf, op=op)
-        self.world.bytes_control += self.world._ring(buf.nbytes, self._members())
+        out = self._wait(Within.ARRAY, "Allreduce of values inside a data-parallel group", buf, op=op)
+        self.world.count(Call.ALLREDUCE, buf.nbytes, control=True, n=self._members())
         return out
 
     def _root(self, root_member: int) -> int:
@@ -148,45 +161,43 @@ class HubGroup:
 
     def bcast_(self, t: torch.Tensor, root_member: int) -> torch.Tensor:
         root = self._root(root_member)
-        self._wait("bcast", "Bcast inside a data-parallel group", t, root=root)
-        if self.world.rank == root:
-            sent = t.numel() * t.element_size() * (self._members() - 1)
-            self.world.bytes_sent += sent
-            self.world.bytes_in_group += sent
+        self._wait(Within.BCAST, "Bcast inside a data-parallel group", t, root=root)
+        nbytes = t.numel() * t.element_size()
+        self.world.count_in_group(wire_bytes(Call.BCAST, nbytes, self._members(), root=self.world.rank == root))
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root_member: int) -> np.ndarray:
         root = self._root(root_member)
         shape = tuple(int(k) for k in np.atleast_1d(shape))
         mine = np.ascontiguousarray(arr, dtype=dtype) if self.world.rank == root else None
-        out = self._wait("bcast", "Bcast of values inside a data-parallel group", (mine, shape, dtype), root=root)
-        if self.world.rank == root:
-            sent = out.nbytes * (self._members() - 1)
-            self.world.bytes_sent += sent
-            self.world.bytes_in_group += sent
+        out = self._wait(Within.BCAST_ARRAY, "Bcast of values inside a data-parallel group", mine, root=root,
+                         shape=shape, dtype=dtype)
+        self.world.count_in_group(wire_bytes(Call.BCAST, out.nbytes, self._members(), root=self.world.rank == root))
         return out
 
 
-def color_means(world, ops: List[Any]) -> List[Any]:
+def color_means(world, ops: List[ColorMean]) -> List[Any]:
     """A population hub's ``group_mean_`` (community models): each replica's tensor of ``ops`` (the process's
     replicas, each ``(tensor, color, counts)``) becomes the mean over the replicas of its color that count, a tree in
-    memory per color then one Allreduce of every color's sum across processes."""
-    colors = world.allgather(np.array([op.value[1] for op in ops], dtype=np.int64)).reshape(-1)
+    memory per color then one Allreduce of every color's sum across processes. Each replica gets how many of its
+    color counted, and how many replicas alive have its color (the group its bytes are counted over)."""
+    colors = world.allgather(np.array([op.color for op in ops], dtype=np.int64)).reshape(-1)
+    alive = np.repeat(np.asarray(world.alive, dtype=bool), len(ops))  # (a lost process's rows: zeros, not colors)
     palette = np.unique(colors)
-    tensors = [op.value[0] for op in ops]
+    tensors = [op.tensor for op in ops]
     sums = torch.zeros((len(palette),) + tuple(tensors[0].shape), dtype=tensors[0].dtype)
     counted = np.zeros(len(palette))
     for c, color in enumerate(palette):
-        members = [(t if op.value[2] else torch.zeros_like(t)) for t, op in zip(tensors, ops)
-                   if op.value[1] == color]
+        members = [(t if op.counts else torch.zeros_like(t)) for t, op in zip(tensors, ops)
+                   if op.color == color]
         if members:
             sums[c].copy_(tree_sum(members))
-            counted[c] = sum(1 for op in ops if op.value[1] == color and op.value[2])
+            counted[c] = sum(1 for op in ops if op.color == color and op.counts)
     world.allreduce_sum_(sums.view(-1))
     counted = world.allreduce_array(counted)
     out = []
     for t, op in zip(tensors, ops):
-        c = int(np.searchsorted(palette, op.value[1]))
+        c = int(np.searchsorted(palette, op.color))
         t.copy_(sums[c]).div_(max(int(counted[c]), 1))
-        out.append(int(counted[c]))
+        out.append((int(counted[c]), int(np.count_nonzero((colors == op.color) & alive))))
     return out

@@ -4,7 +4,7 @@ from a view's own primitives.
 ``World`` (one replica per MPI process) and a population's ``ReplicaWorld`` (many per process,
 ``population.py``) each provide the primitives (``allgather``, ``allreduce_sum_``, ``allreduce_array``,
 ``bcast_array``, ``sendrecv_array`` and ``_swap_arrays``); the calls below are the same for both, and so is the
-byte model they count by.
+byte model they count by (``count``: ``traffic.wire_bytes`` over the ranks alive).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from .membership import Membership
 from .tags import Tag
-from .traffic import Traffic
+from .traffic import Call, Traffic, wire_bytes
 
 
 class LogicalRanks(Traffic):
@@ -102,7 +102,7 @@ class LogicalRanks(Traffic):
 
     def count_sent(self, nbytes: int) -> None:
         """Training bytes of a collective over every replica that the caller did not make through this view."""
-        self.bytes_sent += nbytes
+        self._sent(nbytes)
 
     def of_ranks(self, per_rank: np.ndarray) -> np.ndarray:
         """A per-replica array as this view's ranks see it: itself (``groups.GroupWorld`` keeps each group's lead's)."""
@@ -162,14 +162,14 @@ class LogicalRanks(Traffic):
         self.bytes_sent += send.nbytes
         return recv
 
-    # ---------------------------------------------------------------- the byte model
+    # ---------------------------------------------------------------- the byte model (``traffic.wire_bytes``)
 
-    @staticmethod
-    def _ring(nbytes: int, n: int) -> int:
-        """What each rank sends in a bandwidth-optimal (ring) allreduce of ``nbytes`` over ``n`` ranks."""
-        return int(2 * (n - 1) * nbytes // max(n, 1))
-
-    def _bcast_bytes(self, nbytes: int, root: int) -> None:
-        """Control traffic of a broadcast: the root's bytes to every other rank alive."""
-        if self.rank == root:
-            self.bytes_control += nbytes * (self.n_alive - 1)
+    def count(self, call: Call, nbytes: int, *, root: bool = False, control: bool = False,
+              n: Optional[int] = None) -> None:
+        """Count what this rank sends in ``call`` of ``nbytes`` over the ranks alive (or ``n`` of them: a group's):
+        training traffic, or ``control``. Every view counts its collectives here, by one model."""
+        sent = wire_bytes(call, nbytes, self.n_alive if n is None else n, root=root)
+        if control:
+            self.bytes_control += sent
+        else:
+            self._sent(sent)

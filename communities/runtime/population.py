@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,11 +38,14 @@ import torch
 from ..core.groups import GroupLayout
 from ..core.placement import Placement, tree_sum
 from ..errors import ConfigError, Disagreement
+from . import hub_ops as ops_
 from .hub_async import AsyncCalls, HubMail, Lost, Pause, control_tag_base, sleep_for
 from .hub_groups import GroupCalls, GroupOp, HubGroup, color_means
+from .hub_ops import Collective
 from .logical import LogicalRanks
 from .membership import Membership
 from .tags import TAG_KINDS
+from .traffic import Call
 from .ulfm import RankLost, waitsome
 
 _START = object()  # what a replica is first resumed with: nothing (its greenlet starts)
@@ -50,17 +53,6 @@ _START = object()  # what a replica is first resumed with: nothing (its greenlet
 
 
 # ---------------------------------------------------------------- what a replica waits on
-
-
-@dataclass
-class Collective:
-    """A replica's part of a collective: which one, and what it brings."""
-
-    name: str
-    what: str
-    value: Any = None
-    root: int = 0
-    op: str = "sum"
 
 
 @dataclass
@@ -147,7 +139,7 @@ class Hub:
             return
         start = time.perf_counter()
         if len(self._collective) + len(results) == len(self.block) and self._collective:
-            local = {op.name for op in self._collective.values()} <= {"together", "groups", "local_rank"}
+            local = all(isinstance(op, ops_.IN_PROCESS) for op in self._collective.values())
             ready.extend(self._run_collective(results))
             if local:
                 return  # (work done in the process, not a wait)
@@ -254,17 +246,18 @@ class Hub:
             raise RuntimeError(f"replicas of process {self.world.rank} finished while others wait in a collective: "
                                f"{_waiting_on(self, finished)}")
         ops = [self._collective[r] for r in self.block]
-        names = {op.name for op in ops}
-        if len(names) > 1:
+        kinds = {type(op) for op in ops}
+        if len(kinds) > 1:
             raise Disagreement(f"the replicas of process {self.world.rank} entered different collectives: "
                                f"{_waiting_on(self, {})}")
         self._collective = {}
-        with self.clock.together() if ops[0].name == "together" else self.clock.waiting():
-            results = getattr(self, f"_c_{ops[0].name}")(ops)
+        complete = _COMPLETE[type(ops[0])]
+        with self.clock.together() if isinstance(ops[0], ops_.Together) else self.clock.waiting():
+            results = complete(self, ops)
         return list(zip(self.block, results))
 
-    def _c_allgather(self, ops: List[Collective]) -> List[Any]:
-        block = np.stack([np.ascontiguousarray(op.value) for op in ops])
+    def _c_allgather(self, ops: Sequence[ops_.Gather]) -> List[Any]:
+        block = np.stack([np.ascontiguousarray(op.row) for op in ops])
         w = self.world
         out = np.empty((w.n_alive,) + block.shape, dtype=block.dtype)
         with w.collective(ops[0].what):
@@ -273,19 +266,19 @@ class Hub:
         out.setflags(write=False)  # one array for every replica of the process: read it, do not change it
         return [out] * len(ops)
 
-    def _c_allgather_text(self, ops: List[Collective]) -> List[Any]:
+    def _c_allgather_text(self, ops: List[ops_.GatherText]) -> List[Any]:
         rows = self._c_allgather(ops)[0]
         texts = tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
         return [texts] * len(ops)
 
-    def _c_agree(self, ops: List[Collective]) -> List[Any]:
+    def _c_agree(self, ops: List[ops_.Agree]) -> List[Any]:
         """The replicas whose digest differs from the lead's (found once for the process)."""
         rows = self._c_allgather(ops)[0]
         alive = self.membership.alive
         bad = np.flatnonzero((rows != rows[self.membership.lead]).any(axis=1) & alive).tolist()
         return [bad] * len(ops)
 
-    def _c_recover(self, ops: List[Collective]) -> List[Any]:
+    def _c_recover(self, ops: List[ops_.Recover]) -> List[Any]:
         """Shrink the processes' communicator to the survivors; a lost process is the loss of its block of
         replicas. Every replica world of this process learns the same membership."""
         lost_processes = self.world.recover()
@@ -297,17 +290,16 @@ class Hub:
             w.membership = Membership(self.placement.replicas, members)
         return [lost] * len(ops)
 
-    def _c_allreduce(self, ops: List[Collective]) -> List[Any]:
-        values = [op.value for op in ops]
-        if isinstance(values[0], torch.Tensor):
-            total = tree_sum(values) if ops[0].op == "sum" else None
-            if total is None:
-                raise ValueError(f"allreduce of tensors supports sum, not {ops[0].op!r}")
-            self.world.allreduce_sum_(total)
-            for v in values:
-                v.copy_(total)
-            return [v for v in values]
-        arrays = [np.asarray(v, dtype=np.float64) for v in values]
+    def _c_sum_tensor(self, ops: List[ops_.SumTensor]) -> List[Any]:
+        values = [op.tensor for op in ops]
+        total = tree_sum(values)
+        self.world.allreduce_sum_(total)
+        for v in values:
+            v.copy_(total)
+        return [v for v in values]
+
+    def _c_reduce_array(self, ops: List[ops_.ReduceArray]) -> List[Any]:
+        arrays = [np.asarray(op.values, dtype=np.float64) for op in ops]
         if ops[0].op == "sum":
             local = tree_sum([torch.from_numpy(a) for a in arrays]).numpy()
         else:
@@ -315,34 +307,28 @@ class Hub:
         total = self.world.allreduce_array(local, ops[0].op, what=ops[0].what)
         return [total.copy() for _ in ops]
 
-    def _c_bcast(self, ops: List[Collective]) -> List[Any]:
-        return bcast_of(self, ops)
-
-    def _c_gather_rows(self, ops: List[Collective]) -> List[Any]:
-        return gather_rows_of(self, ops)
-
-    def _c_group_mean(self, ops: List[Collective]) -> List[Any]:
+    def _c_group_mean(self, ops: List[ops_.ColorMean]) -> List[Any]:
         """Each replica's tensor becomes the mean over the replicas of its color (``hub_groups.color_means``)."""
         return color_means(self.world, ops)
 
-    def _c_together(self, ops: List[Collective]) -> List[Any]:
+    def _c_together(self, ops: List[ops_.Together]) -> List[Any]:
         """Work the replicas of the process do as one (no MPI): ``compute(items)``, one result per replica."""
-        compute = ops[0].value[1]
-        out = list(compute([op.value[0] for op in ops]))
+        compute = ops[0].compute
+        out = list(compute([op.item for op in ops]))
         if len(out) != len(ops):
             raise RuntimeError(f"{ops[0].what}: {len(out)} results for {len(ops)} replicas")
         return out
 
-    def _c_groups(self, ops: List[Collective]) -> List[Any]:
+    def _c_groups(self, ops: List[ops_.SetUpGroups]) -> List[Any]:
         """The run's data-parallel groups, set up once for the process (``GroupCalls.set_up``)."""
-        self.groups = self.groups or GroupCalls.set_up(self, ops[0].value)
+        self.groups = self.groups or GroupCalls.set_up(self, ops[0].layout)
         return [None] * len(ops)
 
-    def _c_barrier(self, ops: List[Collective]) -> List[Any]:
+    def _c_barrier(self, ops: List[ops_.Barrier]) -> List[Any]:
         self.world.barrier(ops[0].what)
         return [None] * len(ops)
 
-    def _c_local_rank(self, ops: List[Collective]) -> List[Any]:
+    def _c_local_rank(self, ops: List[ops_.LocalRank]) -> List[Any]:
         return [self.world.local_rank] * len(ops)
 
     # ------------------------------------------------------------ what every replica shares
@@ -472,11 +458,11 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
     def together(self, key: Hashable, item: Any, compute: Callable[[List[Any]], List[Any]]) -> Any:
         """Wait until every replica of the process brings its ``item``; ``compute(items)`` runs once, in rank
         order, and each replica gets its own result (a stacked training step: ``train.vectorize``)."""
-        return self.hub.wait(Collective("together", f"work done together ({key})", (item, compute)))
+        return self.hub.wait(ops_.Together(f"work done together ({key})", item, compute))
 
     @property
     def local_rank(self) -> int:
-        return self.hub.wait(Collective("local_rank", "Comm.Split_type of the ranks on this node"))
+        return self.hub.wait(ops_.LocalRank("Comm.Split_type of the ranks on this node"))
 
     @staticmethod
     def library_version() -> str:
@@ -506,7 +492,7 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
 
     def recover(self) -> List[int]:
         """After ``RankLost``: every replica of the process asks; the hub shrinks the processes once."""
-        return self.hub.wait(Collective("recover", "Shrink to the surviving processes"))
+        return self.hub.wait(ops_.Recover("Shrink to the surviving processes"))
 
     def set_membership(self, members: List[int], size: int) -> None:
         raise ConfigError(f"this run directory was left by the survivors of a lost rank ({len(members)} of {size} "
@@ -544,64 +530,61 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
         assert hub.groups is not None and hub.groups.comm is not None  # (set up with the groups, at start-up)
         return hub.groups.comm.allreduce_sum_
 
-    def count_sent(self, nbytes: int) -> None:
-        """Training bytes of a collective over every replica, counted as ``World`` counts them (``_sent``)."""
-        self._sent(nbytes)
-
     def _sent(self, nbytes: int) -> None:
         """Training bytes of a collective, as World counts them; the share that reaches the replica's own
-        process, (B - 1) of its N - 1 peers, stays in memory (``bytes_in_process``)."""
+        process, (B - 1) of its N - 1 peers alive, stays in memory (``bytes_in_process``; a lost process takes
+        its whole block, so this replica's B are alive)."""
         self.bytes_sent += nbytes
-        b, n = self.hub.placement.per_process, self.size
+        b, n = self.hub.placement.per_process, self.n_alive
         self.bytes_in_process += nbytes * (b - 1) // max(n - 1, 1)
 
     def _gather(self, row: np.ndarray, what: str) -> np.ndarray:
-        return self.hub.wait(Collective("allgather", what, np.ascontiguousarray(row)))
+        return self.hub.wait(ops_.Gather(what, np.ascontiguousarray(row)))
 
     def allgather(self, row: np.ndarray) -> np.ndarray:
         row = np.ascontiguousarray(row)
         out = self._gather(row, "Allgather")
-        self._sent(row.nbytes * (self.size - 1))
+        self.count(Call.ALLGATHER, row.nbytes)
         return out
 
     def allgather_text(self, text: str, width: int = 512) -> List[str]:
         raw = np.frombuffer(text.encode()[:width].ljust(width, b"\0"), dtype=np.uint8)
-        texts = self.hub.wait(Collective("allgather_text", "Allgather of text", raw))
-        self.bytes_control += width * (self.size - 1)
+        texts = self.hub.wait(ops_.GatherText("Allgather of text", raw))
+        self.count(Call.ALLGATHER, width, control=True)
         return list(texts)
 
     def iallgather(self, row: np.ndarray, what: str = "Iallgather"):
         """Completed at once (every replica of the process posts it at the same point): (request, out, row)."""
         row = np.array(row, copy=True, order="C")
         out = self._gather(row, what)
-        self._sent(row.nbytes * (self.size - 1))
+        self.count(Call.ALLGATHER, row.nbytes)
         return _Done(), out, row
 
     def allreduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("a population's Allreduce needs a contiguous CPU tensor")
-        self.hub.wait(Collective("allreduce", "Allreduce", t))
-        self._sent(self._ring(t.numel() * t.element_size(), self.size))
+        self.hub.wait(ops_.SumTensor("Allreduce", t))
+        self.count(Call.ALLREDUCE, t.numel() * t.element_size())
         return t
 
     def allreduce_array(self, values: np.ndarray, op: str = "sum", what: str = "Allreduce") -> np.ndarray:
         if op not in ("sum", "max", "min"):
             raise KeyError(op)
         buf = np.array(values, dtype=np.float64, copy=True)
-        out = self.hub.wait(Collective("allreduce", what, buf, op=op))
-        self.bytes_control += self._ring(buf.nbytes, self.size)
+        out = self.hub.wait(ops_.ReduceArray(what, buf, op))
+        self.count(Call.ALLREDUCE, buf.nbytes, control=True)
         return out
 
     def alltoall_counts(self, counts: np.ndarray) -> np.ndarray:
         send = np.ascontiguousarray(counts, dtype=np.int64)
         table = self._gather(send, "Alltoall of counts")
-        self.bytes_control += send.nbytes * (self.size - 1) // max(self.size, 1)
+        self.count(Call.ALLTOALL, send.itemsize, control=True)
         return np.ascontiguousarray(table[:, self.rank])
 
     def bcast_(self, t: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
         root = self.root(root)
-        self.hub.wait(Collective("bcast", f"Bcast from rank {root}", t, root=root))
-        self._bcast_bytes(t.numel() * t.element_size(), root)
+        self.hub.wait(ops_.BcastTensor(f"Bcast from rank {root}", t, root))
+        self.count(Call.BCAST, t.numel() * t.element_size(), root=self.rank == root, control=True)
         return t
 
     def bcast_array(self, arr: Optional[np.ndarray], shape, dtype, root: Optional[int] = None,
@@ -609,27 +592,29 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
         root = self.root(root)
         mine = np.ascontiguousarray(arr, dtype=dtype) if self.rank == root else None
         shape = tuple(int(k) for k in np.atleast_1d(shape))
-        out = self.hub.wait(Collective("bcast", what, (mine, shape, dtype), root=root))
-        self._bcast_bytes(out.nbytes, root)
+        out = self.hub.wait(ops_.BcastArray(what, mine, shape, dtype, root))
+        self.count(Call.BCAST, out.nbytes, root=self.rank == root, control=True)
         return out
 
     def gather_rows(self, rows: np.ndarray, root: Optional[int] = None) -> Optional[List[np.ndarray]]:
         root = self.root(root)
         rows = np.ascontiguousarray(rows, dtype=np.float64)
-        self.bytes_control += 8 * (self.size - 1) + (rows.nbytes if self.rank != root else 0)
-        return self.hub.wait(Collective("gather_rows", f"Gatherv of log rows to rank {root}", rows, root=root))
+        self.count(Call.GATHERV, rows.nbytes, root=self.rank == root, control=True)
+        return self.hub.wait(ops_.GatherRows(f"Gatherv of log rows to rank {root}", rows, root))
 
     def agree(self, digest: bytes, what: str) -> None:
         row = np.frombuffer(digest.ljust(16, b"\0")[:16], dtype=np.uint8)
-        bad = self.hub.wait(Collective("agree", f"Allgather of digests ({what})", row))
-        self._sent(row.nbytes * (self.size - 1))
+        bad = self.hub.wait(ops_.Agree(f"Allgather of digests ({what})", row))
+        self.count(Call.ALLGATHER, row.nbytes)
         if bad:
             raise Disagreement(f"ranks {bad} disagree with rank 0 on {what}")
 
     def group_mean_(self, t: torch.Tensor, color: int, counts: bool = True) -> int:
-        n = self.hub.wait(Collective("group_mean", "Allreduce inside a group of replicas", (t, int(color),
-                                                                                             bool(counts))))
-        self._sent(self._ring(t.numel() * t.element_size(), n))
+        n, members = self.hub.wait(ops_.ColorMean("Allreduce inside a group of replicas", t, int(color),
+                                                  bool(counts)))
+        # as World's Split counts it: the tensor's Allreduce and the count's (float64), over the color's replicas
+        self.count(Call.ALLREDUCE, t.numel() * t.element_size(), n=members)
+        self.count(Call.ALLREDUCE, 8, n=members)
         return n
 
     def split(self, color: int):
@@ -637,11 +622,11 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
 
     def intra_group(self, layout: GroupLayout) -> "HubGroup":
         """This replica's data-parallel group, completed by the hub (a collective: every replica calls it)."""
-        self.hub.wait(Collective("groups", "set-up of the data-parallel groups", layout))
+        self.hub.wait(ops_.SetUpGroups("set-up of the data-parallel groups", layout))
         return HubGroup(self, layout)
 
     def barrier(self, what: str = "Barrier") -> None:
-        self.hub.wait(Collective("barrier", what))
+        self.hub.wait(ops_.Barrier(what))
 
     # ------------------------------------------------------------ point to point
 
@@ -666,27 +651,31 @@ class ReplicaWorld(AsyncCalls, LogicalRanks):
         return recv
 
 
-def bcast_of(hub: Hub, ops: List[Collective]) -> List[Any]:
-    """A hub's Bcast: from the root replica's process to every process, then to every replica here."""
+def bcast_tensor_of(hub: Hub, ops: List[ops_.BcastTensor]) -> List[Any]:
+    """A hub's Bcast of a tensor: from the root replica's process to every process, then to every replica here."""
     root = ops[0].root
-    proc = hub.placement.process_of(root)
-    values = [op.value for op in ops]
+    values = [op.tensor for op in ops]
     mine = values[hub.block.index(root)] if root in hub.block else values[0]
-    if isinstance(mine, torch.Tensor):
-        buf = mine.detach().clone()
-        hub.world.bcast_(buf, root=proc)
-        for v in values:
-            v.copy_(buf)
-        return values
-    shape, dtype = ops[0].value[1], ops[0].value[2]
-    arr = mine[0] if root in hub.block else None
-    got = hub.world.bcast_array(arr, shape, dtype, root=proc, what=ops[0].what)
+    buf = mine.detach().clone()
+    hub.world.bcast_(buf, root=hub.placement.process_of(root))
+    for v in values:
+        v.copy_(buf)
+    return values
+
+
+def bcast_array_of(hub: Hub, ops: List[ops_.BcastArray]) -> List[Any]:
+    """A hub's Bcast of an array: from the root replica's process to every process, a copy for every replica."""
+    root = ops[0].root
+    arr = ops[hub.block.index(root)].arr if root in hub.block else None
+    got = hub.world.bcast_array(arr, ops[0].shape, ops[0].dtype, root=hub.placement.process_of(root),
+                                what=ops[0].what)
     return [got.copy() for _ in ops]
 
-def gather_rows_of(hub: Hub, ops: List[Collective]) -> List[Any]:
+
+def gather_rows_of(hub: Hub, ops: List[ops_.GatherRows]) -> List[Any]:
     """A hub's Gatherv of log rows: every replica's block, at the root replica (one per replica, rank order)."""
     root = ops[0].root
-    rows = [np.ascontiguousarray(op.value, dtype=np.float64) for op in ops]
+    rows = [np.ascontiguousarray(op.rows, dtype=np.float64) for op in ops]
     width = rows[0].shape[1] if rows[0].ndim == 2 else 0
     counts = hub.world.allgather(np.array([r.shape[0] if width else 0 for r in rows], dtype=np.int64))
     local = np.concatenate([r.reshape(-1, width) for r in rows]) if width else np.zeros((0, 0))
@@ -700,6 +689,16 @@ def gather_rows_of(hub: Hub, ops: List[Collective]) -> List[Any]:
                 per.append(block[offsets[k]: offsets[k + 1]] if width else np.zeros((0, 0)))
         out[hub.block.index(root)] = per
     return out
+
+
+# how the hub completes each kind of collective (``Hub._run_collective``)
+_COMPLETE: Dict[type, Callable[[Hub, List[Any]], List[Any]]] = {
+    ops_.Gather: Hub._c_allgather, ops_.GatherText: Hub._c_allgather_text, ops_.Agree: Hub._c_agree,
+    ops_.SumTensor: Hub._c_sum_tensor, ops_.ReduceArray: Hub._c_reduce_array,
+    ops_.BcastTensor: bcast_tensor_of, ops_.BcastArray: bcast_array_of, ops_.GatherRows: gather_rows_of,
+    ops_.ColorMean: Hub._c_group_mean, ops_.Together: Hub._c_together, ops_.SetUpGroups: Hub._c_groups,
+    ops_.Barrier: Hub._c_barrier, ops_.LocalRank: Hub._c_local_rank, ops_.Recover: Hub._c_recover,
+}
 
 
 def run_population(world, replicas: int, target: Callable[[Any], Any]) -> List[Any]:

@@ -8,12 +8,36 @@ replicas of one process swapped in memory (a population: ``population.py``); the
 ``in_group`` is the part of ``bytes_sent`` that stayed inside a data-parallel group (``train.group_size``: every
 step's gradient average, a lead's copies to its members): the fast link's share; what is left crossed between
 groups, the traffic the method saves. Counts
-follow a simple model of each call (what one rank puts on the wire), the same on every MPI library.
+follow a simple model of each call (what one rank puts on the wire, ``wire_bytes``), the same on every MPI library
+and for every view of the job: one replica per process (``comm.World``) or a population's (``population``), always
+over the ranks alive, so the counts agree after a lost rank too.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Iterator
+
+
+class Call(enum.Enum):
+    """A collective, as the byte model sees it."""
+
+    ALLGATHER = "allgather"  # every rank's ``nbytes`` to each other rank
+    ALLREDUCE = "allreduce"  # a bandwidth-optimal (ring) reduction of ``nbytes``
+    ALLTOALL = "alltoall"  # ``nbytes`` to each other rank (an item each)
+    BCAST = "bcast"  # the root's ``nbytes`` to each other rank
+    GATHERV = "gatherv"  # the row counts' Allgather (int64), then a non-root's ``nbytes`` to the root
+
+
+def wire_bytes(call: Call, nbytes: int, n: int, *, root: bool = False) -> int:
+    """What one rank sends in ``call`` of ``nbytes`` over ``n`` ranks (``root``: whether it is the call's root)."""
+    if call is Call.ALLREDUCE:
+        return int(2 * (n - 1) * nbytes // max(n, 1))
+    if call in (Call.ALLGATHER, Call.ALLTOALL):
+        return int(nbytes * (n - 1))
+    if call is Call.BCAST:
+        return int(nbytes * (n - 1)) if root else 0
+    return 8 * (n - 1) + (0 if root else int(nbytes))  # Call.GATHERV
 
 
 class Traffic:
@@ -48,6 +72,16 @@ class Traffic:
             yield
         finally:
             self.bytes_in_group += self.bytes_sent - before
+
+    def _sent(self, nbytes: int) -> None:
+        """Training bytes of a collective (a population's replica keeps its process's share apart as well)."""
+        self.bytes_sent += nbytes
+
+    def count_in_group(self, nbytes: int) -> None:
+        """Training bytes that stayed inside this replica's data-parallel group (``inside_group``, for bytes
+        counted rather than sent through this view: a population's stacked step)."""
+        self.bytes_sent += nbytes
+        self.bytes_in_group += nbytes
 
     def monitoring(self):
         """Bytes sent inside the block only measure (consensus-model evaluations): not training traffic."""

@@ -67,7 +67,7 @@ def launcher_flags(exe: str) -> List[str]:
 
 
 def engine_cmd(launcher: List[str], n: int, config: str, root: str, extra: Sequence[str],
-               wrap: Optional[List[str]] = None) -> List[str]:
+               *, wrap: Optional[List[str]] = None) -> List[str]:
     """``LAUNCHER -n N python -m communities run CONFIG output.root=ROOT --overwrite --no-progress EXTRA``
     (``wrap``: another module that runs the engine, e.g. a profiler's)."""
     py = [sys.executable, "-m"] + (wrap or ["communities"])

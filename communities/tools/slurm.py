@@ -99,7 +99,7 @@ def _bash_value(value) -> str:
 
 
 def render(template: str, sbatch: Dict[str, Optional[object]], variables: Dict[str, object],
-           extra_sbatch: Sequence[str] = (), header: str = "", setup: Optional[Sequence[str]] = None) -> str:
+           extra_sbatch: Sequence[str] = (), header: str = "", *, setup: Optional[Sequence[str]] = None) -> str:
     """Fill the template: ``#SBATCH --opt=`` values (None leaves the template's line as is,
     a value also switches on a ``##SBATCH`` line), variables by name, the ``setup`` block's lines
     (None leaves it as is), extra ``#SBATCH`` lines after the last one, and ``header`` comment

@@ -244,7 +244,7 @@ def make_run(
     n_rounds: int = 6,
     groups: Union[int, Sequence[int], None] = 4,
     dim: int = 32,
-    every: int = 5,
+    *, every: int = 5,
     seed: int = 0,
     method: str = "average",
     metric: str = "cosine",

@@ -175,7 +175,7 @@ def load_user(spec: str, seed: int = 0, root: Optional[str] = None, rank: int = 
     key = "data.dataset"
     fn = plugins.resolve(spec, key, DataError)
     offered = {"seed": seed, "root": root, "rank": rank, "world_size": world_size}
-    kwargs = plugins.keywords(fn, offered, spec, key, plugins.DATASET_SIGNATURE, DataError)
+    kwargs = plugins.keywords(fn, offered, spec, key, plugins.DATASET_SIGNATURE, error=DataError)
     sharded = plugins.names_any(fn, SHARDED_KEYWORDS)
     out = plugins.call(fn, kwargs, spec, key, DataError)
     declared = {}
@@ -396,7 +396,7 @@ def own_group(ds: Dataset, rank: int, world_size: int) -> Optional[int]:
 SHARDED = "sharded"  # partition.json's partition of a sharded reader: each rank read its own shard
 
 
-def partition(y: np.ndarray, world: int, kind: str, seed: int, alpha: float = 0.5, groups: int = 1,
+def partition(y: np.ndarray, world: int, kind: str, seed: int, alpha: float = 0.5, *, groups: int = 1,
               purity: float = 1.0) -> List[Shard]:
     """All N shards (disjoint index sets covering the training set). Same result on every rank."""
     y = np.asarray(y)
@@ -460,7 +460,7 @@ def rows(a: np.ndarray, indices) -> torch.Tensor:
 
 
 def describe(shards: List[Shard], y: np.ndarray, kind: str, n_test: int,
-             label_counts: Optional[List[List[int]]] = None, local_test_sizes: Optional[List[int]] = None,
+             label_counts: Optional[List[List[int]]] = None, *, local_test_sizes: Optional[List[int]] = None,
              shift: str = "none", text: Optional[TextMeta] = None, n_groups: int = 0) -> dict:
     """The ``partition.json`` record (a sharded reader's: ``label_counts`` gathered from every rank; ``shift`` and
     ``local_test_sizes`` only when those are on; a text corpus's domains, its label counts left out: a vocabulary
@@ -540,9 +540,11 @@ def shifted(ds: Dataset, shards: List[Shard], kind: str, groups: int, seed: int)
         owner[s.indices] = int(s.group or 0)
     side = concept_shift.image_side(int(np.prod(ds.input_shape)), ds.name)
     n_classes = ds.n_classes
-    xtr, ytr = concept_shift.apply(kind, ds.x_train, ds.y_train, owner, groups, seed, n_classes, side)
+    xtr, ytr = concept_shift.apply(kind, ds.x_train, ds.y_train, owner, groups, seed=seed, n_classes=n_classes,
+                                   side=side)
     pooled = concept_shift.pooled_test_groups(len(ds.y_test), groups, seed)
-    xte, yte = concept_shift.apply(kind, ds.x_test, ds.y_test, pooled, groups, seed, n_classes, side)
+    xte, yte = concept_shift.apply(kind, ds.x_test, ds.y_test, pooled, groups, seed=seed, n_classes=n_classes,
+                                   side=side)
     return Dataset(xtr, ytr, xte, yte, ds.name, ds.rank_groups, ds.example_groups)
 
 
@@ -553,7 +555,7 @@ def arrange(ds: Dataset, cfg, seed: int, world: int) -> Prepared:
         shards = corpora.partition(ds.text, world, cfg.partition, cfg.groups)
         shards, local_tests = hold_out(shards, cfg.local_test_fraction, seed)
         return Prepared(ds, shards, local_tests)
-    shards = partition(ds.y_train, world, cfg.partition, seed, cfg.alpha, cfg.groups, cfg.purity)
+    shards = partition(ds.y_train, world, cfg.partition, seed, cfg.alpha, groups=cfg.groups, purity=cfg.purity)
     declared = declared_groups(ds, shards)
     if declared is not None:  # the user's own notion of which ranks belong together
         shards = [Shard(s.indices, g) for s, g in zip(shards, declared)]

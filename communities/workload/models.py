@@ -85,7 +85,7 @@ def build(cfg, input_shape: Tuple[int, ...], n_classes: int) -> nn.Module:
     key = "model.name"
     fn = plugins.resolve(cfg.name, key, ModelError)
     offered = {"input_shape": tuple(int(s) for s in input_shape), "n_classes": int(n_classes)}
-    kwargs = plugins.keywords(fn, offered, cfg.name, key, plugins.MODEL_SIGNATURE, ModelError,
+    kwargs = plugins.keywords(fn, offered, cfg.name, key, plugins.MODEL_SIGNATURE, error=ModelError,
                               required=("input_shape", "n_classes"))
     model = plugins.call(fn, kwargs, cfg.name, key, ModelError)
     if not isinstance(model, nn.Module):

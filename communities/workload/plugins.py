@@ -67,7 +67,7 @@ def resolve(spec: str, key: str, error: Type[UserError]) -> Callable:
 
 
 def keywords(fn: Callable, offered: Mapping[str, object], spec: str, key: str, expected: str,
-             error: Type[UserError], required: Sequence[str] = ()) -> Dict[str, object]:
+             *, error: Type[UserError], required: Sequence[str] = ()) -> Dict[str, object]:
     """The subset of ``offered`` that ``fn`` accepts as keywords; ``error`` if it needs anything else.
 
     ``required`` names keywords ``fn`` must accept. A parameter without a default that communities does

@@ -141,7 +141,7 @@ class PrivateGradient:
         return torch.Generator().manual_seed(key)
 
     def backward(self, xb: torch.Tensor, yb: torch.Tensor, denom: float, opt: torch.optim.Optimizer,
-                 gen: torch.Generator, set_to_none: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 gen: torch.Generator, *, set_to_none: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Leave ``(sum_i c_i g_i + N(0, (sigma C)^2 I)) / denom`` in the parameters' ``.grad``.
 
         Returns (logits, mean loss) for the unit's figures, or (None, None) for an empty

@@ -79,7 +79,7 @@ def rotate(x: np.ndarray, group: int, groups: int, side: Optional[int]) -> np.nd
     return np.ascontiguousarray(np.roll(flat, shift, axis=1)).reshape(x.shape)
 
 
-def transform(kind: str, x: np.ndarray, y: np.ndarray, group: int, groups: int, seed: int, n_classes: int,
+def transform(kind: str, x: np.ndarray, y: np.ndarray, group: int, groups: int, *, seed: int, n_classes: int,
               side: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """(x, y) as group ``group`` sees them under shift ``kind``."""
     if kind == "none" or group == 0:
@@ -104,12 +104,13 @@ def pooled_test_groups(n_test: int, groups: int, seed: int) -> np.ndarray:
     return out
 
 
-def apply(kind: str, x: np.ndarray, y: np.ndarray, example_group: np.ndarray, groups: int, seed: int,
+def apply(kind: str, x: np.ndarray, y: np.ndarray, example_group: np.ndarray, groups: int, *, seed: int,
           n_classes: int, side: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Every example (x[i], y[i]) under the transform of its group ``example_group[i]``; new arrays."""
     x_out, y_out = x.copy(), y.copy()
     for g in range(1, groups):
         idx = np.flatnonzero(example_group == g)
         if idx.size:
-            x_out[idx], y_out[idx] = transform(kind, x[idx], y[idx], g, groups, seed, n_classes, side)
+            x_out[idx], y_out[idx] = transform(kind, x[idx], y[idx], g, groups, seed=seed, n_classes=n_classes,
+                                               side=side)
     return x_out, y_out

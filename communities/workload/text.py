@@ -120,7 +120,7 @@ def spaced(n: int, keep: Optional[int]) -> np.ndarray:
 
 
 def read_bytes(root: str, files: Sequence[str], context: int, test_fraction: float, max_bytes: Optional[int],
-               test_windows: Optional[int], name: str, source: str):
+               *, test_windows: Optional[int], name: str, source: str):
     """A byte corpus as a ``data.Dataset``: the training windows of every domain (each domain's files concatenated
     in path order, cut to its share of ``max_bytes``), and at most ``test_windows`` windows of the held-out files."""
     blobs = []
@@ -196,8 +196,8 @@ def load_pystdlib(context: int, test_fraction: float, max_bytes: Optional[int], 
         raise DataError(f"data.dataset='pystdlib': no .py file under {root!r} (the interpreter's standard library); "
                         "use data.dataset=text with data.root")
     version = ".".join(map(str, sys.version_info[:3]))
-    return read_bytes(root, files, context, test_fraction, max_bytes, test_windows, "pystdlib",
-                      f"the Python {version} standard library at {root}")
+    return read_bytes(root, files, context, test_fraction, max_bytes, test_windows=test_windows, name="pystdlib",
+                      source=f"the Python {version} standard library at {root}")
 
 
 def load_text(root: Optional[str], context: int, test_fraction: float, max_bytes: Optional[int],
@@ -207,7 +207,8 @@ def load_text(root: Optional[str], context: int, test_fraction: float, max_bytes
     files = list_files(where)
     if not files:
         raise DataError(f"data.root={root!r}: no file to read for data.dataset='text'")
-    return read_bytes(where, files, context, test_fraction, max_bytes, test_windows, "text", f"the files under {where}")
+    return read_bytes(where, files, context, test_fraction, max_bytes, test_windows=test_windows, name="text",
+                      source=f"the files under {where}")
 
 
 def load_tokens(root: Optional[str], context: int, vocab: Optional[int], bytes_per_token: Optional[float],

@@ -27,7 +27,7 @@ class PrivateSteps(Protocol):
     def generator(self, t: int) -> torch.Generator: ...
 
     def backward(self, xb: torch.Tensor, yb: torch.Tensor, denom: float, opt: torch.optim.Optimizer,
-                 gen: torch.Generator, set_to_none: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 gen: torch.Generator, *, set_to_none: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         ...
 
 
@@ -95,7 +95,7 @@ def lockstep_steps(shard_sizes, batch_size: int) -> int:
     return -(-max(int(n) for n in shard_sizes) // batch_size)
 
 
-def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Optional[int], poisson: bool = False):
+def batches(n: int, batch_size: int, seed: int, rank: int, t: int, *, steps: Optional[int], poisson: bool = False):
     """Index batches for unit t: one shuffled epoch, or exactly ``steps`` full batches.
 
     In step mode every batch has ``min(batch_size, n)`` examples, drawn from
@@ -126,7 +126,7 @@ def batches(n: int, batch_size: int, seed: int, rank: int, t: int, steps: Option
         pool = pool[size:]
 
 
-def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg, seed: int,
+def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, cfg, *, seed: int,
                rank: int, t: int, steps: Optional[int] = None, grad_sync: Optional[Callable[[], None]] = None,
                between_batches: Optional[Callable[[int], None]] = None,
                private: Optional[PrivateSteps] = None) -> UnitResult:
@@ -150,14 +150,15 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     poisson = private is not None and private.poisson
     gen = private.generator(t) if private is not None else None
-    plan = list(batches(len(y), cfg.batch_size, seed, rank, t, steps, poisson=poisson))
+    plan = list(batches(len(y), cfg.batch_size, seed, rank, t, steps=steps, poisson=poisson))
     peaks = [g["lr"] for g in opt.param_groups] if scheduled(cfg) else None  # the groups' lr between units
     try:
         for k, idx in enumerate(plan, 1):
             if peaks is not None:
                 for g, peak in zip(opt.param_groups, peaks):
                     g["lr"] = peak * lr_factor(cfg, t, k, len(plan))
-            res = _step(model, opt, x, y, idx, cfg, has_bn, grad_sync, private, poisson, gen)
+            res = _step(model, opt, x, y, idx, cfg=cfg, has_bn=has_bn, grad_sync=grad_sync, private=private,
+                        poisson=poisson, gen=gen)
             if res is None:
                 continue
             loss, hits = res
@@ -178,7 +179,7 @@ def train_unit(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return UnitResult(float(total_loss) / seen_f, float(right) / seen_f, samples, n_steps)
 
 
-def _step(model, opt, x, y, idx, cfg, has_bn, grad_sync, private, poisson, gen):
+def _step(model, opt, x, y, idx, *, cfg, has_bn, grad_sync, private, poisson, gen):
     """One optimizer step on the batch ``idx``: (its loss, its right predictions) as tensors, zeros for an empty
     Poisson batch, or None for a batch BatchNorm cannot train on."""
     if len(idx) < 2 and has_bn and grad_sync is None:

@@ -244,7 +244,7 @@ class StackedTrainer:
     # ------------------------------------------------------------------ training
 
     def train_unit(self, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], ranks: Sequence[int], seed: int,
-                   t: int, steps: Optional[int] = None, group_size: int = 1,
+                   t: int, *, steps: Optional[int] = None, group_size: int = 1,
                    across: Optional[Callable[[torch.Tensor], Any]] = None) -> List[train.UnitResult]:
         """Train unit t of every replica r on (xs[r], ys[r]) with the batches of rank ranks[r].
 
@@ -264,7 +264,7 @@ class StackedTrainer:
         X, Y, offs = self._stacked_data(xs, ys)
         dev = self.flats.device
         self.model.train()  # as train.train_unit does: the template may have been left in eval mode by a score
-        plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps)) for r in range(R)]
+        plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps=steps)) for r in range(R)]
         idx, sizes = _index_plan(plans, offs)  # (K, R, B) rows of X, (K, R) batch sizes
         K, B = idx.shape[0], idx.shape[2]
         total_loss = torch.zeros(R, dtype=torch.float64, device=dev)
@@ -573,7 +573,7 @@ def _index_plan(plans: List[List[np.ndarray]], offs: List[int]) -> Tuple[np.ndar
 
 
 def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: Optional[int] = 168,
-              hidden: Sequence[int] = (64,), batch_size: int = 32, seed: int = 0,
+              hidden: Sequence[int] = (64,), batch_size: int = 32, *, seed: int = 0,
               threads: int = 1) -> List[Dict[str, float]]:
     """Replica-units per second, the sequential loop vs stacked, on digits with the quickstart MLP (SGD momentum).
 
@@ -615,7 +615,7 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
         for t in range(units + 1):  # unit 0 warms both paths up (and runs the dry run)
             t0 = time.perf_counter()
             for r in ranks:
-                train.train_unit(ms[r], opts[r], xs[r], ys[r], cfg, seed, r, t)
+                train.train_unit(ms[r], opts[r], xs[r], ys[r], cfg, seed=seed, rank=r, t=t)
             t1 = time.perf_counter()
             trainer.train_unit(xs, ys, ranks, seed, t)
             t2 = time.perf_counter()
@@ -644,7 +644,7 @@ class Member:
 
 
 def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int, t: int,
-                  steps: Optional[int] = None, group_size: int = 1,
+                  steps: Optional[int] = None, *, group_size: int = 1,
                   across: Optional[Callable[[torch.Tensor], Any]] = None) -> List[Tuple[train.UnitResult, float]]:
     """Unit t of every member as one stacked model: their weights and optimizer states are copied in, trained,
     and copied back into each member's own buffers (a checkpoint, a merge or an exchange sees them as always).
@@ -661,7 +661,7 @@ def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int,
             trainer.flats[r].copy_(m.flat[:n])
             _state_in(trainer.optimizer, r, m)
     results = trainer.train_unit([m.x for m in members], [m.y for m in members], [m.rank for m in members],
-                                 seed, t, steps, group_size=group_size, across=across)
+                                 seed, t, steps=steps, group_size=group_size, across=across)
     with torch.no_grad():
         for r, m in enumerate(members):
             m.flat[:n].copy_(trainer.flats[r])

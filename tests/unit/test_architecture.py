@@ -283,6 +283,44 @@ def test_constructors_of_more_than_three_parameters_take_the_rest_as_keywords():
     assert not long, "constructors with more than three positional parameters: " + "; ".join(long)
 
 
+MAX_POSITIONAL = 5
+
+
+def _positional(fn: ast.AST, in_class: bool) -> list:
+    """The parameters a call may pass by position (``self`` or ``cls`` of a method left out)."""
+    args = fn.args.posonlyargs + fn.args.args
+    return args[1:] if in_class and args and args[0].arg in ("self", "cls") else args
+
+
+def long_positional(tree: ast.AST) -> list:
+    """``name(params)`` of each function or method of ``tree`` that takes more than ``MAX_POSITIONAL`` by position."""
+    methods = {id(fn) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for fn in cls.body}
+    return [f"{fn.lineno} {fn.name}({', '.join(a.arg for a in _positional(fn, id(fn) in methods))})"
+            for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and len(_positional(fn, id(fn) in methods)) > MAX_POSITIONAL]
+
+
+def test_functions_of_more_than_five_parameters_take_the_rest_as_keywords():
+    """A call such as ``train_unit(model, opt, x, y, cfg, seed, rank, t)`` cannot swap two arguments unseen."""
+    long = [f"{path.relative_to(PACKAGE)}:{where}" for path in sorted(PACKAGE.rglob("*.py"))
+            for where in long_positional(ast.parse(path.read_text()))]
+    assert not long, f"functions with more than {MAX_POSITIONAL} positional parameters: " + "; ".join(long)
+
+
+def test_the_positional_rule_counts_what_a_call_may_pass_by_position():
+    src = """
+def f(a, b, c, d, e, g): ...
+def ok(a, b, c, d, e, *, g): ...
+class A:
+    def m(self, a, b, c, d, e): ...
+    def n(self, a, b, c, d, e, g): ...
+    @classmethod
+    def k(cls, a, b, c, d, e, /, g): ...
+"""
+    assert long_positional(ast.parse(src)) == ["2 f(a, b, c, d, e, g)", "6 n(a, b, c, d, e, g)",
+                                               "8 k(a, b, c, d, e, g)"]
+
+
 # ---------------------------------------------------------------- import circles
 
 

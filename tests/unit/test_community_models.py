@@ -52,7 +52,7 @@ def test_every_example_carries_its_groups_transform_and_the_test_split_is_pooled
         xs, ys = shift.apply(kind, x, y, groups, 4, seed=1, n_classes=5)
         for g in range(4):
             m = groups == g
-            want = shift.transform(kind, x[m], y[m], g, 4, 1, 5)
+            want = shift.transform(kind, x[m], y[m], g, 4, seed=1, n_classes=5)
             assert np.array_equal(xs[m], want[0]) and np.array_equal(ys[m], want[1])
         assert np.array_equal(xs[groups == 0], x[groups == 0]) and np.array_equal(ys[groups == 0], y[groups == 0])
     pooled = shift.pooled_test_groups(450, 4, seed=1)

@@ -79,7 +79,7 @@ def test_input_permutations_are_seeded_per_group_and_keep_the_labels():
     assert not np.array_equal(shift.input_permutation(64, 1, 3), shift.label_permutation(64, 1, 3))  # own stream
     x = np.arange(3 * 64, dtype=np.float32).reshape(3, 8, 8)
     y = np.array([1, 2, 3])
-    xs, ys = shift.transform("input_permutation", x, y, 1, 4, 3, 10)
+    xs, ys = shift.transform("input_permutation", x, y, 1, 4, seed=3, n_classes=10)
     assert xs.shape == x.shape and ys is y
     assert np.array_equal(xs.reshape(3, -1), x.reshape(3, -1)[:, p1])
     assert np.array_equal(shift.label_permutation(1, 3, 0), [0])  # one class: nothing to permute
@@ -97,10 +97,10 @@ def test_digit_rotations_give_eight_distinct_groups():
 def test_none_and_group_0_are_the_identity_and_an_unknown_shift_is_named():
     x, y = np.ones((2, 4), dtype=np.float32), np.array([0, 1])
     for kind in shift.KINDS:
-        assert shift.transform(kind, x, y, 0, 4, 0, 2) == (x, y)
-    assert shift.transform("none", x, y, 3, 4, 0, 2) == (x, y)
+        assert shift.transform(kind, x, y, 0, 4, seed=0, n_classes=2) == (x, y)
+    assert shift.transform("none", x, y, 3, 4, seed=0, n_classes=2) == (x, y)
     with pytest.raises(DataError, match="data.shift='flip'"):
-        shift.transform("flip", x, y, 1, 4, 0, 2)
+        shift.transform("flip", x, y, 1, 4, seed=0, n_classes=2)
 
 
 def test_apply_leaves_its_inputs_alone():

@@ -100,10 +100,11 @@ def test_records_round_trip_through_float64_rows():
     m = MetricRow(3, 0.5, 0.9, float("nan"), float("nan"), 96, 1000, 1.5)
     assert MetricRow.from_row(m.to_row()) == m or np.allclose(MetricRow.from_row(m.to_row()).to_row(), m.to_row(),
                                                             equal_nan=True)
-    e = MergeRow.pairwise(4, 1, 2, 1, 0.5, 0.1, 0.2, 4096, Event.MERGE)
+    e = MergeRow.pairwise(4, 1, 2, 1, 0.5, update=0.1, distance=0.2, sent=4096, event=Event.MERGE)
     assert MergeRow.from_row(e.to_row()) == e
     assert e.counts_as_update
-    assert not MergeRow.pairwise(4, 1, 2, 1, 0.0, 0.0, 0.2, 40, Event.SKIP_DIVERGED).counts_as_update
+    assert not MergeRow.pairwise(4, 1, 2, 1, 0.0, update=0.0, distance=0.2, sent=40,
+                                 event=Event.SKIP_DIVERGED).counts_as_update
     assert MergeRow.global_average(4, 1, 0.3, 40, Event.RESET).counts_as_update  # global rows
 
 
@@ -249,8 +250,8 @@ def test_consensus_counts_merges_and_waits_for_patience(world):
     cfg = make_cfg(**{"consensus.patience": 2, "consensus.tol": 0.1})
     cfg, timer, replica = build(world, cfg)
     consensus = Consensus(cfg, world, timer, replica=replica)
-    consensus.record([MergeRow.pairwise(1, 0, 1, 0, 0.5, 2.0, 4.0, 10, Event.MERGE),
-                      MergeRow.pairwise(1, 0, 1, 1, 0.0, 9.0, 4.0, 10, Event.SKIP_DIVERGED)])
+    consensus.record([MergeRow.pairwise(1, 0, 1, 0, 0.5, update=2.0, distance=4.0, sent=10, event=Event.MERGE),
+                      MergeRow.pairwise(1, 0, 1, 1, 0.0, update=9.0, distance=4.0, sent=10, event=Event.SKIP_DIVERGED)])
     com = Communities(Z=np.zeros((0, 4)), labels=np.zeros(1, dtype=np.int64), cut_height=0.0,
                       distances=np.zeros(0))
 

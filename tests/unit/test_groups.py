@@ -202,7 +202,7 @@ def test_stacked_members_of_a_group_take_the_same_steps_as_their_average():
     ref.load_state_dict(model.state_dict())
     opt = train.make_optimizer(cfg, ref.parameters())
     loss_fn = torch.nn.CrossEntropyLoss()
-    plans = [list(train.batches(24, 8, 0, r, 1, 3)) for r in (0, 1)]
+    plans = [list(train.batches(24, 8, 0, r, 1, steps=3)) for r in (0, 1)]
     flat_grad = models.bind_flat_grad_(ref)
     for k in range(3):
         grads = []

@@ -249,8 +249,8 @@ def test_symmetric_merges_conserve_the_mean_and_never_raise_the_spread(rule):
     for t in range(40):
         i, j = rng.choice(6, 2, replace=False)
         me, other = merge.Side(10, 1.0), merge.Side(20, 2.0)
-        a_i = merge.coefficient(rule, me, other, 0.5, t, sched)
-        a_j = merge.coefficient(rule, other, me, 0.5, t, sched)
+        a_i = merge.coefficient(rule, me, other, 0.5, t, ema=sched)
+        a_j = merge.coefficient(rule, other, me, 0.5, t, ema=sched)
         assert a_i == a_j
         wi, wj = W[i].clone(), W[j].clone()
         merge.interpolate_(W[i], wj, a_i)

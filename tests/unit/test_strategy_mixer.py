@@ -55,7 +55,7 @@ def test_merge_rows_are_built_by_name_at_every_site():
 
 
 def test_named_merge_rows():
-    assert MergeRow.pairwise(4, 1, 2, 1, 0.5, 0.1, 0.2, 4096, Event.MERGE) == \
+    assert MergeRow.pairwise(4, 1, 2, 1, 0.5, update=0.1, distance=0.2, sent=4096, event=Event.MERGE) == \
         MergeRow(4, 1, 2, 1, 0.5, 0.1, 0.2, 4096, int(Event.MERGE))
     g = MergeRow.global_average(3, 2, 0.7, 80)
     assert (g.j, g.initiator, g.a, g.event, g.bytes) == (-1, -1, 1.0, int(Event.AVERAGE), 80)

@@ -51,7 +51,8 @@ def _weights(ms):
 
 def _run(ms, opts, trainer, xs, ys, cfg, ranks, units, seed=3):
     for t in range(units):
-        seq = [train.train_unit(m, o, x, y, cfg, seed, rk, t) for m, o, x, y, rk in zip(ms, opts, xs, ys, ranks)]
+        seq = [train.train_unit(m, o, x, y, cfg, seed=seed, rank=rk, t=t)
+               for m, o, x, y, rk in zip(ms, opts, xs, ys, ranks)]
         vec = trainer.train_unit(xs, ys, ranks, seed, t)
         for a, b in zip(seq, vec):
             assert (a.samples, a.steps) == (b.samples, b.steps)
@@ -238,7 +239,7 @@ def test_members_keep_their_own_weights_and_torch_optim_state(opt):
     trainer = vz.StackedTrainer(ms[0], torch.zeros(len(ms), flats[0].numel()), cfg, name="mlp")
     members = [vz.Member(m, o, f, x, y, r) for m, o, f, x, y, r in zip(ms, opts, flats, xs, ys, range(len(ms)))]
     for t in range(3):
-        want = [train.train_unit(m, o, x, y, cfg, 3, r, t) for m, o, x, y, r in zip(seq, seq_opts, xs, ys,
+        want = [train.train_unit(m, o, x, y, cfg, seed=3, rank=r, t=t) for m, o, x, y, r in zip(seq, seq_opts, xs, ys,
                                                                                      range(len(ms)))]
         got = vz.train_members(trainer, members, 3, t)
         assert [g.samples for g, _ in got] == [w.samples for w in want]

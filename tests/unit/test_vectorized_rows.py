@@ -81,7 +81,8 @@ def test_each_member_steps_with_its_own_param_groups(kind):
             for o, so, values in zip(opts, seq_opts, EXPLORE[kind]):
                 _set(o, values)
                 _set(so, values)
-        want = [train.train_unit(m, o, x, y, cfg, 3, r, t) for r, (m, o, x, y) in enumerate(zip(seq, seq_opts, xs, ys))]
+        want = [train.train_unit(m, o, x, y, cfg, seed=3, rank=r, t=t)
+                for r, (m, o, x, y) in enumerate(zip(seq, seq_opts, xs, ys))]
         got = vz.train_members(trainer, members, 3, t)
         assert trainer.optimizer._rows is not None  # the per-row step ran
         for (g, _), w in zip(got, want):

@@ -32,7 +32,8 @@ from ...core.protocol import RunningDigest
 from ...core.rendezvous import SIGNATURES_ONLY, Exchange, Kind, Message, Outcome, Rendezvous
 from ...errors import StopReason
 from ...results import Event, MergeRow
-from ...runtime.comm import Tag, World
+from ...runtime.comm import Tag
+from ...runtime.view import WorldView
 from ..replica.replica import Replica
 from ..timer import Timer
 from .gossip import Gossip
@@ -48,7 +49,7 @@ POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3  # back-off between polls while waiting (no
 class AsyncMixer(Mixer):
     """The asynchronous mixer of one rank."""
 
-    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest,
+    def __init__(self, cfg, world: WorldView, timer: Timer, *, replica: Replica, agreement: RunningDigest,
                  table: GossipTable, snapshots=None):
         super().__init__(cfg, world, timer, replica=replica, agreement=agreement)
         self.table, self.snapshots = table, snapshots

@@ -180,7 +180,7 @@ class PostedMixer(AsyncMixer):
                                    f"holds {other.size}: the models differ")
             rule_t = min(half.unit, int(meta[0]))
             alpha = self._pair_alpha(half.mine, other)
-            a, event = decide(half.mine, other, mc, self.cfg.robust.diverged, rule_t, alpha)
+            a, event = decide(half.mine, other, mc, self.cfg.robust.diverged, rule_t, alpha=alpha)
             before = r.flat.clone() if self.cut is not None else None
             if event == Event.RESET:
                 distance = float(torch.dist(half.sent, half.recv))
@@ -195,13 +195,13 @@ class PostedMixer(AsyncMixer):
             if before is not None:  # comm.fault_tolerance shrink: undone if the partner's side was cut
                 self.cut.posted((peer, half.flight.initiator, half.flight.rid), r.flat - before)
         update = a * distance if event in (Event.MERGE, Event.RESET) else 0.0
-        self.record(MergeRow.pairwise(self.t, self.rank, peer, half.flight.initiator, a, update, distance,
-                                      half.nbytes, event))
+        self.record(MergeRow.pairwise(self.t, self.rank, peer, half.flight.initiator, a, update=update,
+                                      distance=distance, sent=half.nbytes, event=event))
         if r.hyper is not None and self.cfg.pbt.selection == "tournament" and \
                 pbt.adopts(half.mine.score, other.score, half.mine.ready, self.cfg.pbt.margin):
             r.hyper.adopt(self.t, np.asarray(other.hyper), r.opt)  # exploit the better side's, then explore
             self.record(MergeRow.adopted(self.t, self.rank, peer, half.flight.initiator, half.mine.score,
-                                         other.score))
+                                         partner_score=other.score))
 
     def _pair_alpha(self, mine: Header, other: Header) -> Optional[float]:
         """pbt with merge.alpha among its values: the pair's alpha (each side owns one), as a blocking exchange."""

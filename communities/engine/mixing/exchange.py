@@ -31,7 +31,8 @@ import torch
 from ...core import merge
 from ...core.fused_merge import MERGE_BLOCK, merge_blocks_
 from ...results import Event
-from ...runtime.comm import Tag, World
+from ...runtime.comm import Tag
+from ...runtime.view import WorldView
 
 # The unit of ``swap_and_merge_chunked``'s messages: 1 MiB of float32 (a multiple of ``MERGE_BLOCK``). Also the
 # grain of the halves whose distance each side computes.
@@ -49,8 +50,8 @@ PART_MIN = 1 << 20
 Span = Tuple[int, int]  # the elements [lo, hi) of the weights whose distance this side computes
 
 
-def swap_and_merge(world: World, flat: torch.Tensor, recv: torch.Tensor, peer: int, a: float, tag: int = Tag.WEIGHTS,
-                   distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
+def swap_and_merge(world: WorldView, flat: torch.Tensor, recv: torch.Tensor, peer: int, a: float,
+                   *, tag: int = Tag.WEIGHTS, distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
     """Exchange ``flat`` (or ``send`` in its place) with ``peer`` into ``recv`` and merge in place; returns
     ||w_mine - w_peer|| (or nan). The plain path: ``torch.dist``, then ``lerp_``."""
     world.sendrecv(flat if send is None else send, recv, peer, tag=tag)
@@ -88,7 +89,7 @@ def _inside(lo: int, hi: int, span: Span) -> bool:
     return span[0] <= lo and hi <= span[1] and lo < hi
 
 
-def _swap_chunks_(world: World, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers, *, tag: int,
+def _swap_chunks_(world: WorldView, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers, *, tag: int,
                   send: torch.Tensor, span: Span, own_span: Span) -> Tuple[float, float]:
     """Sendrecv chunk by chunk, each merged as it lands; returns (``||flat - theirs||^2`` over ``own_span``,
     ``||send - theirs||^2`` over ``span``), spans on chunk boundaries. The two differ only for a lie."""
@@ -108,7 +109,7 @@ def _swap_chunks_(world: World, flat: torch.Tensor, peer: int, a: float, buffers
     return own, (shown if lie else own)
 
 
-def swap_and_merge_chunked(world: World, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers,
+def swap_and_merge_chunked(world: WorldView, flat: torch.Tensor, peer: int, a: float, buffers: ChunkBuffers, *,
                            tag: int = Tag.WEIGHTS, distance: bool = True, send: Optional[torch.Tensor] = None) -> float:
     """``swap_and_merge`` one 1 MiB chunk at a time: Sendrecv a chunk, merge it while it is in cache.
 
@@ -186,7 +187,7 @@ class Header:
 
 
 def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int,
-           alpha: Optional[float] = None) -> Tuple[float, Event]:
+           *, alpha: Optional[float] = None) -> Tuple[float, Event]:
     """(a, event): the weight this side gives the partner's weights, and what the exchange does.
 
     A diverged model is never merged into a healthy one: the healthy side keeps
@@ -201,7 +202,7 @@ def decide(mine: Header, other: Header, merge_cfg, diverged_policy: str, t: int,
     if other.diverged:
         return 0.0, Event.SKIP_DIVERGED
     a = merge.coefficient(merge_cfg.rule, merge.Side(mine.samples, mine.loss), merge.Side(other.samples, other.loss),
-                          merge_cfg.alpha if alpha is None else alpha, t, merge_cfg.ema)
+                          merge_cfg.alpha if alpha is None else alpha, t, ema=merge_cfg.ema)
     return a, Event.MERGE
 
 
@@ -354,7 +355,7 @@ class Payload:
 class PairExchange:
     """One rank's end of pairwise exchanges: the header swap, then the payload swap with the weights' merge."""
 
-    def __init__(self, world: World, numel: int, dtype: torch.dtype, *, whole_max: int = WHOLE_MAX_BYTES):
+    def __init__(self, world: WorldView, numel: int, dtype: torch.dtype, *, whole_max: int = WHOLE_MAX_BYTES):
         self.world, self.numel, self.whole_max = world, int(numel), int(whole_max)
         self.buffers = ChunkBuffers(numel, dtype)
         self._held: Dict[str, torch.Tensor] = {}  # the whole-payload receive buffer (and a packing one), kept

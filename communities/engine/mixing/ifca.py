@@ -140,7 +140,7 @@ class IFCA(Strategy):
         becomes the mean of its members, and each rank goes on from its own cluster's model."""
         r, sc = mixer.replica, self.cfg.signature
         sketch = signature.make_sketch("countsketch", r.flat.numel(), sc.dim, self.cfg.seed, r.flat.device,
-                                       r.flat.dtype)
+                                       dtype=r.flat.dtype)
         sent0 = mixer.world.bytes_sent
         with mixer.timer("signature"):
             row = sketch(r.flat - self.models[0]).cpu().numpy().astype(np.float32)  # drift from the shared start

@@ -23,7 +23,7 @@ from ...core.partners import Law
 from ...core.protocol import RunningDigest
 from ...errors import StopReason
 from ...results import Event, MergeRow
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ...workload import models, train
 from ..replica.examples import distance_factor
 from ..replica.replica import Replica
@@ -44,7 +44,7 @@ class MergeScorer(Protocol):
 class Mixer:
     """The virtual-clock mixer of one rank (the default ``protocol``)."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest):
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, replica: Replica, agreement: RunningDigest):
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         self.rank, self.n = world.rank, world.size
         self.strategy = strategies.make(cfg, self.n)
@@ -115,7 +115,7 @@ class Mixer:
         j = int(source[self.rank])
         if j >= 0:
             hyper.adopt(t, table[j, 2:], r.opt)
-            self.record(MergeRow.adopted(t, self.rank, j, -1, score, float(table[j, 0])))
+            self.record(MergeRow.adopted(t, self.rank, j, -1, score, partner_score=float(table[j, 0])))
 
     @property
     def unavailable(self) -> np.ndarray:
@@ -173,7 +173,7 @@ class Mixer:
             if r.hyper is not None and "merge.alpha" in r.hyper.names:  # pbt: each side owns an alpha
                 k = r.hyper.names.index("merge.alpha")
                 alpha = pbt.pair_alpha(mine.hyper[k], other.hyper[k])
-            a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t, alpha)
+            a, event = decide(mine, other, mc, cfg.robust.diverged, t if rule_t is None else rule_t, alpha=alpha)
             probe = self.probe if self.probe is not None and event == Event.MERGE and self.probe.active() else None
             probed = r.flat.clone() if probe is not None else None
             outer = r.outer if event == Event.MERGE else None
@@ -206,12 +206,12 @@ class Mixer:
             if probe is not None and probed is not None:
                 with self.timer("eval"):
                     probe.merged(partner, probed, a)
-        self.record(MergeRow.pairwise(t, self.rank, partner, initiator, a, update, distance,
-                                      self.world.bytes_sent - sent0, event))
+        self.record(MergeRow.pairwise(t, self.rank, partner, initiator, a, update=update, distance=distance,
+                                      sent=self.world.bytes_sent - sent0, event=event))
         if r.hyper is not None and cfg.pbt.selection == "tournament" and \
                 pbt.adopts(mine.score, other.score, mine.ready, cfg.pbt.margin):
             r.hyper.adopt(t, np.asarray(other.hyper), r.opt)  # exploit the better side's, then explore
-            self.record(MergeRow.adopted(t, self.rank, partner, initiator, mine.score, other.score))
+            self.record(MergeRow.adopted(t, self.rank, partner, initiator, mine.score, partner_score=other.score))
 
     def _header(self, t: int, moments: List[torch.Tensor]) -> Header:
         """This side's header; under pbt with its score (the loss on its own held-out data, before the merge)."""

@@ -12,7 +12,7 @@ from ...core.clustering import Communities
 from ...core.partners import Law
 from ...core.protocol import RunningDigest
 from ...results import MergeRow
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ..replica.replica import Replica
 from ..timer import Timer
 
@@ -25,7 +25,7 @@ class Mixing(Protocol):
     def rank(self) -> int: ...
 
     @property
-    def world(self) -> World: ...
+    def world(self) -> WorldView: ...
 
     @property
     def replica(self) -> Replica: ...

@@ -16,7 +16,7 @@ from typing import List
 
 import torch
 
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 
 
 class WallSnapshots:
@@ -36,7 +36,7 @@ class WallSnapshots:
                 self.flats, self.units = self.flats[::2], self.units[::2]
                 self.every *= 2
 
-    def curve(self, world: World, evaluate) -> List[dict]:
+    def curve(self, world: WorldView, evaluate) -> List[dict]:
         """Every rank: the consensus of each snapshot index that all ranks hold, evaluated (collectives)."""
         count = int(world.allreduce_scalar(float(len(self.flats)), "min"))
         rows = []

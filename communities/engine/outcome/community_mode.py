@@ -30,7 +30,7 @@ import torch
 from ...config import Config
 from ...core import clustering, conflict, signature
 from ...results import TimeCategory
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ..mixing.strategy import Strategy
 from ..replica.replica import Replica
 from ..rounds.signature_rounds import RoundResult
@@ -101,7 +101,7 @@ class MergeProbe:
 class CommunityMode:
     """The freeze of ``consensus.mode`` for one rank: when, which communities, and (auto) the evidence."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, strategy: Strategy):
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, replica: Replica, strategy: Strategy):
         self.cfg, self.world, self.timer, self.strategy = cfg, world, timer, strategy
         self.group = replica.group  # train.group_size > 1: a group's evidence is its members' together
         self.mode = cfg.consensus.mode

@@ -19,7 +19,7 @@ import torch
 
 from ...config import Config
 from ...results import MergeRow, finite_or_none
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ..replica.replica import Replica
 from ..rounds.signature_rounds import RoundResult
 from ..timer import Timer
@@ -39,7 +39,7 @@ class Decision:
 class Consensus:
     """Patience, merge activity and the consensus model of one rank."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica):
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, replica: Replica):
         self.cfg, self.world, self.timer, self.replica = cfg, world, timer, replica
         self.calm_rounds = 0
         self.reached_t: Optional[int] = None
@@ -122,7 +122,7 @@ class AsyncConsensus(Consensus):
     model is evaluated over wall time from snapshots (``WallSnapshots``).
     """
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica):
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, replica: Replica):
         super().__init__(cfg, world, timer, replica=replica)
         self.snapshots = WallSnapshots(cfg.output.snapshot_seconds, cfg.output.snapshots_max)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ...results import finite_or_none
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ...workload import train
 from ..mixing.ifca import IFCA
 from ..replica.replica import Replica
@@ -52,7 +52,7 @@ def _mean(values) -> Optional[float]:
 class Delivery:
     """The end of a run on one rank: form the delivered models, score them, gather the figures to rank 0."""
 
-    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, mode: CommunityMode, strategy,
+    def __init__(self, cfg, world: WorldView, timer: Timer, *, replica: Replica, mode: CommunityMode, strategy,
                  group_size: int = 1):
         # ``world``: the replica's own (each replica delivers and scores on its own local data); the communities are
         # over groups of ``group_size`` (train.group_size), each replica in its group's
@@ -140,7 +140,7 @@ class Delivery:
         with r.holding(consensus, fresh_optimizer=True):
             with self.timer("train"):
                 for u in range(1, cfg.consensus.finetune_units + 1):
-                    train.train_unit(r.model, r.opt, r.data.x, r.data.y, cfg.train, cfg.seed, r.rank, t + u)
+                    train.train_unit(r.model, r.opt, r.data.x, r.data.y, cfg.train, seed=cfg.seed, rank=r.rank, t=t + u)
             with self.timer("eval"):
                 return r.evaluate_local() if r.has_local_test else (float("nan"), float("nan"))
 

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import DiskError, collective
 from ...results import atomic_write_bytes, disk_error
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 
 SNAPSHOTS_DIR = "snapshots"
 
@@ -30,7 +30,7 @@ def snapshot_path(run_dir: Path, round_index: int, rank: int) -> Path:
 class RoundSnapshots:
     """Writes this rank's weights at every signature round (a collective: the outcome is shared)."""
 
-    def __init__(self, world: World, run_dir: Path):
+    def __init__(self, world: WorldView, run_dir: Path):
         self.world, self.run_dir = world, Path(run_dir)
         self.full = False  # fault injection (faults.disk_full_at)
 

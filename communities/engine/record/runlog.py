@@ -40,7 +40,7 @@ from ...results import (
     finite_or_none,
     read_jsonl,
 )
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ...workload.data import Dataset
 from ..outcome.consensus import Decision
 from ..replica.examples import ExampleTracker
@@ -60,7 +60,7 @@ DP_FIELDS = ("epsilon", "noise_multiplier", "sample_rate", "dp_steps", "planned_
 class RunLog:
     """One rank's log buffer; on rank 0 also the writer of the run directory."""
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, writer: Optional[RunWriter],
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, writer: Optional[RunWriter],
                  collective: bool = True, lm: Optional[LanguageModel] = None, logs_merges: bool = True):
         self.cfg, self.world, self.timer, self.writer = cfg, world, timer, writer
         # train.group_size > 1: a merge is its group's; its lead logs it, the members hold the same rows
@@ -111,7 +111,7 @@ class RunLog:
                 self.board.consensus(rows)
 
     def round(self, rnd: Optional[RoundResult], law: Optional[Law], decision: Optional[Decision],
-              agreement: bytes, tracker: Optional[ExampleTracker], mode: Optional[dict] = None) -> None:
+              agreement: bytes, tracker: Optional[ExampleTracker], *, mode: Optional[dict] = None) -> None:
         """At a signature round: gather the rows, write the round, log the example tables.
 
         ``mode``: consensus.mode's entry for round.json (frozen communities, auto's verdict), if any.
@@ -235,7 +235,7 @@ class RunLog:
         self.writer.write_json("models/communities.json", record)
 
     def finish(self, run: dict, test_acc: float, distance: float, consensus_state: Optional[dict],
-               tracker: Optional[ExampleTracker], views: Optional[List[list]] = None,
+               tracker: Optional[ExampleTracker], *, views: Optional[List[list]] = None,
                dp: Optional[dict] = None, hyper: Optional[np.ndarray] = None,
                labels: Optional[np.ndarray] = None, test_loss: float = float("nan")) -> Optional[Summary]:
         """Gather every rank's final figures; rank 0 writes ``consensus.pt`` and ``summary.json`` and returns it.

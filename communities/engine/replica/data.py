@@ -18,7 +18,7 @@ import torch
 
 from ...errors import ConfigError, Disagreement
 from ...runtime.collective import on_every_rank
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ...workload import data
 
 if TYPE_CHECKING:
@@ -72,15 +72,15 @@ class ReplicaData:
         return dataclasses.replace(self, shard=shard, x=x, y=y)
 
 
-def load_replica_data(cfg: "Config", world: World, device: torch.device) -> ReplicaData:
+def load_replica_data(cfg: "Config", world: WorldView, device: torch.device) -> ReplicaData:
     """A collective: read the data, check the ranks read the same, partition it and place this rank's part."""
     ds, fp, own_group = on_every_rank(world, lambda: _read(cfg, world))
     test_split = _check_same_data(cfg, world, ds, fp)
     combined = _combine_shards(cfg, world, ds, own_group) if ds.sharded else None
-    return on_every_rank(world, lambda: _place(cfg, world, device, ds, test_split, combined))
+    return on_every_rank(world, lambda: _place(cfg, world, device, ds, test_split, combined=combined))
 
 
-def _read(cfg: "Config", world: World) -> Tuple[data.Dataset, Tuple[str, str], Optional[int]]:
+def _read(cfg: "Config", world: WorldView) -> Tuple[data.Dataset, Tuple[str, str], Optional[int]]:
     """This rank's copy of the dataset (a sharded reader's: its own training shard), its fingerprint, and a
     sharded reader's declared group for this rank."""
     # mnist1d's generator reseeds numpy's global state, so load before seeding anything.
@@ -100,7 +100,7 @@ def _read(cfg: "Config", world: World) -> Tuple[data.Dataset, Tuple[str, str], O
     return ds, world.shared(("fingerprint", id(ds)), lambda: data.fingerprint(ds)), own_group
 
 
-def _check_same_data(cfg: "Config", world: World, ds: data.Dataset, fingerprint: Tuple[str, str]) -> str:
+def _check_same_data(cfg: "Config", world: WorldView, ds: data.Dataset, fingerprint: Tuple[str, str]) -> str:
     """A collective: the ranks compare their data's fingerprints; which test split the consensus is scored on.
 
     A dataset function that is not deterministic gives every rank different data. That is refused
@@ -148,7 +148,7 @@ def _check_same_data(cfg: "Config", world: World, ds: data.Dataset, fingerprint:
             f"rank {lead}'s)")
 
 
-def _combine_shards(cfg: "Config", world: World, ds: data.Dataset, own_group: Optional[int]
+def _combine_shards(cfg: "Config", world: WorldView, ds: data.Dataset, own_group: Optional[int]
                     ) -> Tuple[List[data.Shard], np.ndarray, List[List[int]], List[int]]:
     """A collective, for a sharded reader: the class count, standardisation and shard records of every rank.
 
@@ -169,8 +169,8 @@ def _combine_shards(cfg: "Config", world: World, ds: data.Dataset, own_group: Op
     return shards, local, rows[:, 3:].tolist(), rows[:, 2].tolist()
 
 
-def _place(cfg: "Config", world: World, device: torch.device, ds: data.Dataset, test_split: str,
-           combined: Optional[Tuple[List[data.Shard], np.ndarray, List[List[int]], List[int]]]) -> ReplicaData:
+def _place(cfg: "Config", world: WorldView, device: torch.device, ds: data.Dataset, test_split: str,
+           *, combined: Optional[Tuple[List[data.Shard], np.ndarray, List[List[int]], List[int]]]) -> ReplicaData:
     """This rank's shard (the partition's, or a sharded reader's own) as tensors on the device, and its local
     test data (data.local_test_fraction) held out of it."""
     label_counts: Optional[List[List[int]]] = None

@@ -22,7 +22,7 @@ from ...core import merge, privacy, protocol, robust
 from ...errors import ConfigError
 from ...results import MetricRow
 from ...runtime.collective import on_every_rank
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ...workload import models, train, vectorized
 from ...workload.private import DPPlan, PrivateGradient, check_model, plan, require_opacus
 from ..faults import NoFaults
@@ -44,7 +44,7 @@ class Replica:
     """This rank's model on its data. Build with ``Replica.build`` (a collective: every rank calls it)."""
 
     cfg: "Config"
-    world: World
+    world: WorldView
     device: torch.device
     timer: Timer
     faults: NoFaults
@@ -72,7 +72,7 @@ class Replica:
     hyper: Optional[Hyperparameters]  # pbt.enabled: the hyperparameters this replica owns (its group's)
     group: Optional[GroupMember]  # train.group_size > 1: this replica in its data-parallel group
 
-    def __init__(self, cfg: "Config", world: World, device: torch.device, *, timer: Timer, faults: NoFaults,
+    def __init__(self, cfg: "Config", world: WorldView, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
                  tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional[DPPlan] = None,
                  groups: Optional["GroupWorld"] = None):
@@ -123,8 +123,8 @@ class Replica:
         return privacy.epsilon(self.dp.noise_multiplier, self.dp.sample_rate, self.dp_steps, self.cfg.privacy.delta)
 
     @classmethod
-    def build(cls, cfg: "Config", world: World, device: torch.device, timer: Timer, faults: NoFaults,
-              groups: Optional["GroupWorld"] = None) -> "Replica":
+    def build(cls, cfg: "Config", world: WorldView, device: torch.device, timer: Timer, faults: NoFaults,
+              *, groups: Optional["GroupWorld"] = None) -> "Replica":
         """Load and place the data, build the model and share rank 0's initial weights (with groups of
         ``train.group_size``, a group's own initial weights among its members)."""
         placed = load_replica_data(cfg, world, device)
@@ -176,8 +176,8 @@ class Replica:
                     rows = self.tracker.training_rows(t)
                     x, y = self.tracker.view(rows)
                 hook = _batch_hook(self.faults, t, between_batches)
-                res = train.train_unit(self.model, self.opt, x, y, cfg.train, cfg.seed, self.rank, t, steps=steps,
-                                       grad_sync=grad_sync, between_batches=hook, private=self.private)
+                res = train.train_unit(self.model, self.opt, x, y, cfg.train, seed=cfg.seed, rank=self.rank, t=t,
+                                       steps=steps, grad_sync=grad_sync, between_batches=hook, private=self.private)
                 if self.tracker is not None and rows is not None:
                     self.tracker.trained(rows)
             self.faults.during_unit(t)
@@ -340,7 +340,7 @@ def _batch_hook(faults: NoFaults, t: int, serve: Optional[Callable[[], None]]) -
     return hook
 
 
-def _stacked(cfg: "Config", world: World, model: torch.nn.Module, placed: ReplicaData) -> bool:
+def _stacked(cfg: "Config", world: WorldView, model: torch.nn.Module, placed: ReplicaData) -> bool:
     """train.vectorize: whether this process's replicas train as one stacked model (a ConfigError for ``on``
     where they cannot: what acts inside one replica's own batches, or a model vmap cannot stack)."""
     mode = cfg.train.vectorize
@@ -392,7 +392,7 @@ def _dp_plan(cfg: "Config", model: torch.nn.Module, placed: ReplicaData) -> Opti
                 lockstep=cfg.strategy in SYNCS_GRADIENTS)
 
 
-def _build_model(cfg: "Config", world: World, device: torch.device, placed: ReplicaData
+def _build_model(cfg: "Config", world: WorldView, device: torch.device, placed: ReplicaData
                  ) -> Tuple[Optional[ExampleTracker], torch.nn.Module, torch.Tensor, int]:
     """This rank's example tracker (examples.track), and its model as one flat buffer (not yet shared)."""
     ds = placed.dataset

@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ...runtime.traffic import Call, wire_bytes
 from ...workload import train, vectorized
 from ...workload.vectorized import StackedTrainer
 
@@ -44,12 +45,11 @@ def train_together(replica: Any, t: int, steps: Optional[int]) -> train.UnitResu
         res, seconds = r.world.together(("train", t), member, step)
     r.timer.reassign(seconds, "idle", "train")
     if size > 1:  # the gradient averages, done as rows of the stacked step
-        averaged = res.steps * r.world._ring(r.n_params * r.flat.element_size(), size)
+        averaged = res.steps * wire_bytes(Call.ALLREDUCE, r.n_params * r.flat.element_size(), size)
         if cfg.strategy == "allreduce":
             r.world.count_sent(averaged)  # as the replica's own Allreduces over the world count
         else:
-            r.world.bytes_sent += averaged
-            r.world.bytes_in_group += averaged
+            r.world.count_in_group(averaged)
     return res
 
 

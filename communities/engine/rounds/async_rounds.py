@@ -18,7 +18,7 @@ from ...config import Config
 from ...core.gossip_table import GossipTable
 from ...core.protocol import RunningDigest
 from ...results import TimeCategory
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ..replica.replica import Replica
 from ..timer import Timer
 from .signature_rounds import RoundResult, SignatureRounds
@@ -29,7 +29,7 @@ class GossipRounds(SignatureRounds):
 
     agree = False  # views may differ between ranks: nothing to prove
 
-    def __init__(self, cfg: Config, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest):
+    def __init__(self, cfg: Config, world: WorldView, timer: Timer, *, replica: Replica, agreement: RunningDigest):
         super().__init__(cfg, world, timer, replica=replica, agreement=agreement)
         width = int(np.asarray(self.signature.row(replica)).size)
         self.table = GossipTable(world.size, width, world.rank)

@@ -21,7 +21,7 @@ from ...core.clustering import Communities
 from ...core.protocol import RunningDigest, digest
 from ...errors import ConfigError
 from ...runtime.collective import on_every_rank
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 from ..replica.replica import Replica
 from ..timer import Timer
 
@@ -43,11 +43,11 @@ class RoundResult:
 class _WeightSignature:
     """A seeded random projection of the drift ``w - w0`` (count-sketch or Gaussian)."""
 
-    def __init__(self, cfg, world: World, replica: Replica):
+    def __init__(self, cfg, world: WorldView, replica: Replica):
         sc = cfg.signature
         self.n_params = replica.n_params
         sk = world.shared(("sketch", sc.kind, replica.n_params, sc.dim), lambda: signature.make_sketch(
-            sc.kind, replica.n_params, sc.dim, cfg.seed, replica.device, replica.flat.dtype))
+            sc.kind, replica.n_params, sc.dim, cfg.seed, replica.device, dtype=replica.flat.dtype))
         ref = sk(replica.flat[: replica.n_params]).numpy() if world.leads else None
         self.signer = signature.Signer(sk, world.bcast_array(ref, (sc.dim,), np.float64))
 
@@ -64,7 +64,7 @@ class _WeightSignature:
 class _FunctionSignature:
     """What the model does on the shared probe batch: its logits, or a layer's features for linear CKA."""
 
-    def __init__(self, cfg, world: World, replica: Replica):
+    def __init__(self, cfg, world: WorldView, replica: Replica):
         sc = cfg.signature
         ds = replica.data.dataset
         idx = similarity.probe_indices(len(ds.y_train), sc.probe_size, cfg.seed)
@@ -104,7 +104,7 @@ class SignatureRounds:
     agree = True  # every rank derives the same communities: prove it (comm.check_hashes)
     views: Optional[List[list]] = None  # async: this rank's own community views (the same for all here)
 
-    def __init__(self, cfg, world: World, timer: Timer, *, replica: Replica, agreement: RunningDigest):
+    def __init__(self, cfg, world: WorldView, timer: Timer, *, replica: Replica, agreement: RunningDigest):
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         kind = _FunctionSignature if cfg.signature.kind in probe.KINDS else _WeightSignature
         self.signature = kind(cfg, world, replica)
@@ -127,10 +127,10 @@ class SignatureRounds:
         S = self._gather(t)
         if S is None:
             return None
-        cfg = self.cfg
+        cfg, gathered = self.cfg, S
         with self.timer("signature"):
             # the same bytes on every rank: computed once for the replicas of a process (a population)
-            S, com, outliers, disp, k, ari, decided = self.world.shared(("round", t), lambda: self._decide(t, S))
+            S, com, outliers, disp, k, ari, decided = self.world.shared(("round", t), lambda: self._decide(t, gathered))
             self.agreement.update(decided)
         if self.agree and cfg.comm.check_hashes:
             with self.timer("idle"):

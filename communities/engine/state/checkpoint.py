@@ -32,7 +32,7 @@ from ...errors import DiskError, ResultsError, collective
 from ...manifest import COMPLETE, LATEST, complete_dirs, entry, mismatch, rank_file, read_info, step_dir
 from ...results import atomic_write_bytes, atomic_write_json, disk_error
 from ...runtime.collective import on_every_rank
-from ...runtime.comm import World
+from ...runtime.view import WorldView
 
 __all__ = ["COMPLETE", "LATEST", "VERSION", "Checkpointer", "commit", "latest", "load_rank", "rank_file",
            "read_info", "save_rank", "step_dir", "verify_own"]
@@ -134,7 +134,7 @@ class Checkpointer:
     checkpoint is a collective step, so it is where every rank learns of it.
     """
 
-    def __init__(self, cfg: Config, world: World, root: Path, *, parts: Dict[str, Stateful],
+    def __init__(self, cfg: Config, world: WorldView, root: Path, *, parts: Dict[str, Stateful],
                  before_save: Callable[[], None], info: Callable[[], dict],
                  failure: Callable[[], Optional[DiskError]] = lambda: None, faults=None):
         self.cfg, self.world, self.root, self.parts = cfg, world, Path(root), parts

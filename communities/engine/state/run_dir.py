@@ -36,7 +36,8 @@ from ...manifest import DAMAGED, LATEST, complete_dirs
 from ...results import RunWriter, atomic_write_bytes, read_json, read_jsonl, repair_jsonl
 from ...runlock import RunLock
 from ...runtime.collective import collective_check
-from ...runtime.comm import World
+from ...runtime.launcher import library_version
+from ...runtime.view import WorldView
 from ...workload import data
 from . import checkpoint, provenance
 
@@ -77,7 +78,7 @@ def by_rank(bad: List[Tuple[int, str]], size: int) -> str:
 class RunDirectory:
     """``results/<name>/`` of one run: its lock and writer (rank 0), ``meta.json``, and the checkpoint to resume."""
 
-    def __init__(self, cfg: Config, world: World, path: Path):
+    def __init__(self, cfg: Config, world: WorldView, path: Path):
         self.cfg, self.world, self.path = cfg, world, Path(path)
         self.writer: Optional[RunWriter] = None
         self.lock: Optional[RunLock] = None
@@ -90,19 +91,19 @@ class RunDirectory:
         return self.path / "checkpoints"
 
     def open(self, overwrite: bool, resume: Resume, partition: Callable[[], dict], argv: List[str],
-             device: torch.device, n_params: int) -> Optional[Path]:
+             device: torch.device, *, n_params: int) -> Optional[Path]:
         """Lock, then create or continue the directory (a collective); returns the checkpoint every rank loads.
 
         ``partition`` gives ``partition.json``'s record; rank 0 calls it inside the collective check.
         """
         try:
-            return self._open(overwrite, resume, partition, argv, device, n_params)
+            return self._open(overwrite, resume, partition, argv, device, n_params=n_params)
         except BaseException:
             self.release()
             raise
 
     def _open(self, overwrite: bool, resume: Resume, partition: Callable[[], dict], argv: List[str],
-              device: torch.device, n_params: int) -> Optional[Path]:
+              device: torch.device, *, n_params: int) -> Optional[Path]:
         w = self.world
 
         def lock_and_list() -> str:
@@ -192,7 +193,7 @@ class RunDirectory:
         previous = read_json(self.path / "meta.json") if resumed_from and (self.path / "meta.json").exists() else {}
         why = f"resumed from {resumed_from}" if resumed_from else "started the run"
         self.meta = {
-            **provenance.provenance(argv, World.library_version()),
+            **provenance.provenance(argv, library_version()),
             "run_id": previous.get("run_id") or uuid.uuid4().hex[:16],
             "world_size": self.world.size, "hosts": sorted(set(hosts)), "device": str(device),
             "strategy": self.cfg.strategy, "n_params": int(n_params),
@@ -391,4 +392,5 @@ def describe_partition(replica) -> dict:
     ds = replica.data.dataset
     kind = data.SHARDED if ds.sharded else replica.cfg.data.partition
     return data.describe(replica.data.shards, ds.y_train, kind, len(ds.y_test), replica.data.label_counts,
-                         replica.data.local_test_sizes, replica.cfg.data.shift, ds.text, replica.cfg.data.groups)
+                         local_test_sizes=replica.data.local_test_sizes, shift=replica.cfg.data.shift, text=ds.text,
+                         n_groups=replica.cfg.data.groups)

@@ -41,7 +41,8 @@ import torch
 from ...errors import ConfigError, DiskError, ResultsError, RunLocked, collective
 from ...manifest import complete_dirs, read_info
 from ...results import MergeRow
-from ...runtime.comm import RankLost, World
+from ...runtime.comm import RankLost
+from ...runtime.view import WorldView
 from .checkpoint import Stateful
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Survival(NoSurvival):
 
     KEEP = 2  # a survivor whose round was cut by the failure still holds the one before it
 
-    def __init__(self, world: World, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost,
+    def __init__(self, world: WorldView, parts: Dict[str, Stateful], *, replica, lost_shard: str, rewind, log_lost,
                  take_over, on_shrink: Callable[[str], None] = lambda stage: None):
         self.world, self.parts, self.replica, self.policy = world, parts, replica, lost_shard
         # before each shrink and right after it (data-parallel groups: their communicators revoked, then rebuilt)
@@ -206,7 +207,7 @@ class Survival(NoSurvival):
                 "recoveries": list(self.recoveries), "lost_shard": self.policy}
 
 
-def survivors(world: World, run_dir: Path) -> Optional[Tuple[List[int], int]]:
+def survivors(world: WorldView, run_dir: Path) -> Optional[Tuple[List[int], int]]:
     """(the logical ranks alive, the job's size) when the newest checkpoint of ``run_dir`` was written by the
     survivors of a lost rank, else None (a collective: rank 0 reads, every rank gets its answer)."""
     text = ""
@@ -227,7 +228,7 @@ def survivors(world: World, run_dir: Path) -> Optional[Tuple[List[int], int]]:
     return [int(r) for r in got["alive"]], int(got["size"])
 
 
-def resume_membership(world: World, run_dir: Path) -> None:
+def resume_membership(world: WorldView, run_dir: Path) -> None:
     """Before anything else on a resume: if the newest checkpoint was written by the survivors of a larger job,
     and this job has as many ranks as survived, each process takes its logical rank (a collective)."""
     found = survivors(world, run_dir)

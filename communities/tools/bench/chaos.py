@@ -46,7 +46,7 @@ def _summary(run: Path) -> Optional[dict]:
         return None
 
 
-def launch(mpiexec: str, ranks: int, config: str, root: Path, name: str, sets: List[str]) -> subprocess.Popen:
+def launch(mpiexec: str, ranks: int, config: str, root: Path, name: str, *, sets: List[str]) -> subprocess.Popen:
     """The job under ULFM (Open MPI: ``--with-ft ulfm``), in a session of its own, its output to files."""
     cmd = [mpiexec, "-n", str(ranks), *launcher_flags(mpiexec)]
     if is_open_mpi(mpiexec):
@@ -58,7 +58,7 @@ def launch(mpiexec: str, ranks: int, config: str, root: Path, name: str, sets: L
     return start(cmd, env=child_env(OMP_NUM_THREADS="1"), stdout=out, stderr=err)
 
 
-def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random, timeout: float,
+def soak(proc: subprocess.Popen, run: Path, keep: int, every, rng: random.Random, *, timeout: float,
          writer_kill: Optional[int] = None) -> List[dict]:
     """Kill a random rank every U(every) seconds from the first round on, until ``keep`` remain; then wait.
 
@@ -138,7 +138,7 @@ def bench_chaos(args) -> int:
     ok = True
     for protocol in args.protocols:
         sets = [f"world_size={replicas}", *PROTOCOLS[protocol], *args.set]
-        clean = launch(mpiexec, processes, args.config, root, f"{protocol}_clean", sets)
+        clean = launch(mpiexec, processes, args.config, root, f"{protocol}_clean", sets=sets)
         try:
             clean.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -150,10 +150,11 @@ def bench_chaos(args) -> int:
             ok = False
             continue
         t0 = time.monotonic()
-        proc = launch(mpiexec, processes, args.config, root, f"{protocol}_chaos", sets)
+        proc = launch(mpiexec, processes, args.config, root, f"{protocol}_chaos", sets=sets)
         rng = random.Random(args.seed)
         writer_kill = rng.randrange(processes - args.keep) if args.kill_writer else None
-        kills = soak(proc, root / f"{protocol}_chaos", args.keep, args.every, rng, args.timeout, writer_kill)
+        kills = soak(proc, root / f"{protocol}_chaos", args.keep, args.every, rng, timeout=args.timeout,
+                     writer_kill=writer_kill)
         wall = time.monotonic() - t0
         v = verdict(root / f"{protocol}_chaos", kills, proc.returncode, processes, replicas)
         v.update(protocol=protocol, kills=kills, wall_s=round(wall, 1), clean_wall_s=base.get("wall_time"),

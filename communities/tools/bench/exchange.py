@@ -100,7 +100,7 @@ class _Packing:
         return getattr(self._world, name)
 
 
-def _exchange_one_size(world, peer: int, size_mb: float, reps: int, warm: int, clock: _PairTimer) -> dict:
+def _exchange_one_size(world, peer: int, size_mb: float, reps: int, warm: int, *, clock: _PairTimer) -> dict:
     """The bound, raw Sendrecv, the engine's PairExchange and its variants, on one buffer size, interleaved."""
     import torch
 
@@ -188,7 +188,8 @@ def bench_exchange(args) -> int:
     machine = machine_load()
     ok, checks = _exchange_checks(world, peer)
     clock = _PairTimer(world)
-    results = [_exchange_one_size(world, peer, size_mb, args.reps, args.warmup, clock) for size_mb in args.sizes_mb]
+    results = [_exchange_one_size(world, peer, size_mb, args.reps, args.warmup, clock=clock)
+               for size_mb in args.sizes_mb]
     rows = [_exchange_row(r) for r in results]
 
     if lead:

@@ -149,7 +149,7 @@ def bench_overhead(args) -> int:
         if args.profile:
             prof_dir = root / f"{name}.profile"
             wrap = ["communities.tools.bench", "_profile-rank", "--out", str(prof_dir), "--"]
-            if launch(engine_cmd(launcher, n, config, str(root), args.overrides, wrap), config) is None:
+            if launch(engine_cmd(launcher, n, config, str(root), args.overrides, wrap=wrap), config) is None:
                 return 1
             profiles[name] = _profiled(prof_dir, args.profile_depth)
     _print_report(launcher, machine, rows, profiles)

@@ -37,7 +37,8 @@ def _max_rel_diff_vs_opacus(build, x, y, seed: int) -> float:
         probe = build()
         check = PrivateGradient(probe, max_grad_norm=0.5, noise_multiplier=0.0, noise="seeded", seed=seed, rank=0,
                                 per_example=how)
-        check.backward(x, y, float(batch), torch.optim.SGD(probe.parameters(), lr=0.0), check.generator(0), True)
+        check.backward(x, y, float(batch), torch.optim.SGD(probe.parameters(), lr=0.0), check.generator(0),
+                       set_to_none=True)
         mine = torch.cat([p.grad.reshape(-1) for p in probe.parameters() if p.grad is not None])
         diff = max(diff, float((mine - theirs_sum).abs().max() / theirs_sum.abs().max()))
     return diff
