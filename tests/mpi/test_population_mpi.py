@@ -44,7 +44,8 @@ def cut_copy(run: Path, dest: Path) -> Path:
 @pytest.fixture(scope="module")
 def resumed(reference, tmp_path_factory):
     """{processes: (the copy resumed on that many processes, the batch's results)}; the 4-process batch also
-    holds protocol=async with 8 replicas on 4 processes (refused)."""
+    holds protocol=async with averaged optimizer moments, 8 replicas on 4 processes (refused: a pair across
+    processes is a posted exchange, which carries no moments)."""
     done = {}
     for p in RESUME_ON:
         root = tmp_path_factory.mktemp(f"resumed{p}")
@@ -52,7 +53,8 @@ def resumed(reference, tmp_path_factory):
         jobs = {"resumed": Job(reference.config, root / "resumed", POPULATION, extra=["--resume"])}
         if p == 4:
             jobs["async"] = Job(reference.config, root / "async",
-                                [f"world_size={N}", "protocol=async", "comm.timeout=20"])
+                                [f"world_size={N}", "protocol=async", "merge.optimizer_state=average",
+                                 "comm.timeout=20"])
         results = run_batch(p, jobs, check=False)
         res = results["resumed"]
         assert res.returncode == 0, (p, res.stdout[-2000:], res.stderr[-3000:])
@@ -112,10 +114,10 @@ def test_a_population_summary_splits_the_wall_time_per_process_and_a_replicas_tu
     assert s["time_split"]["turn"] > s["time_split"]["idle"]  # N / 2 replicas a process: mostly the others' turns
 
 
-def test_async_with_fewer_processes_than_replicas_is_refused_naming_the_key(resumed):
+def test_an_async_population_refuses_what_a_posted_exchange_cannot_carry_naming_the_keys(resumed):
     res = resumed[4][1]["async"]
     assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-3000:])
-    assert "is refused with protocol='async'" in res.stderr
+    assert "is refused with protocol='async' and merge.optimizer_state='average'" in res.stderr
     assert f"world_size={N} replicas on 4 MPI processes" in res.stderr
     assert "Traceback" not in res.stderr
     assert not (resumed[4][0].parent.parent / "async" / "tiny" / "checkpoints").exists()  # refused before training
