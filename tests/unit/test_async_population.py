@@ -9,7 +9,6 @@ exchange across processes must be posted and merged by both sides once, and noth
 from __future__ import annotations
 
 import heapq
-import itertools
 import types
 from collections import defaultdict
 
@@ -23,9 +22,10 @@ from communities.core.posted import PostedRendezvous
 from communities.core.rendezvous import Message
 from communities.engine.mixing.async_population import local_pairs
 from communities.refusals import placement_refusal
+from tests.helpers.events import EventQueue
 
 
-class PopulationSim:
+class PopulationSim(EventQueue):
     """P processes of B replicas each; a process trains its replicas' units together (a random duration scaled by
     its speed), then each replica reads its messages, tests its halves and, when its timer fires, draws a partner:
     one of its own process joins the unit's in-memory list, another process's gets a posted request."""
@@ -33,8 +33,8 @@ class PopulationSim:
     def __init__(self, processes, per, seed, units=8, p_fire=0.8, delay=0.05, speeds=None, max_flights=2):
         self.n = processes * per
         self.place = Placement(self.n, processes)
-        self.rng = np.random.default_rng(seed)
-        self.units, self.p_fire, self.delay = units, p_fire, delay
+        super().__init__(np.random.default_rng(seed), delay)
+        self.units, self.p_fire = units, p_fire
         self.speeds = speeds or [1.0] * processes
         self.w = self.rng.normal(size=self.n)  # each replica's weights
         self.rz = [PostedRendezvous(r, 1e9, max_flights) for r in range(self.n)]
@@ -44,22 +44,7 @@ class PopulationSim:
         self.committed, self.merged = defaultdict(list), defaultdict(list)
         self.local_merges = 0
         self.unit = [0] * processes
-        self.events, self.seq, self.now = [], itertools.count(), 0.0
-        self.last, self.in_transit = defaultdict(float), 0
         self.idle = [0.0] * processes  # a process never waits: the time it spent waiting on another process
-
-    def at(self, t, fn):
-        heapq.heappush(self.events, (t, next(self.seq), fn))
-
-    def _deliver(self, src, dst, fn):
-        arrive = max(self.now + self.rng.uniform(0.1, 1.0) * self.delay, self.last[(src, dst)] + 1e-9)
-        self.last[(src, dst)] = arrive
-        self.in_transit += 1
-
-        def land():
-            self.in_transit -= 1
-            fn()
-        self.at(arrive, land)
 
     def act(self, r, out):
         for m in out.send:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import heapq
-import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -18,9 +17,10 @@ from communities.core import merge
 from communities.core.posted import PostedRendezvous, flights_for
 from communities.core.rendezvous import Kind, Message
 from communities.errors import ConfigError
+from tests.helpers.events import EventQueue
 
 
-class Sim:
+class Sim(EventQueue):
     """N ranks training units of batches; each reads its messages and tests its halves between batches.
 
     A half posted by i for j arrives after a random delay; messages are FIFO per pair, as MPI's are. A rank's
@@ -29,35 +29,20 @@ class Sim:
 
     def __init__(self, n, seed, units=8, batches=4, p_fire=0.7, timeout=2.0, freeze=None, delay=0.05, speeds=None,
                  max_flights=4):
-        self.n, self.rng = n, np.random.default_rng(seed)
-        self.units, self.batches, self.p_fire, self.delay = units, batches, p_fire, delay
+        super().__init__(np.random.default_rng(seed), delay)
+        self.n = n
+        self.units, self.batches, self.p_fire = units, batches, p_fire
         self.speeds = speeds or [1.0] * n
         self.freeze = freeze or {}
         self.rz = [PostedRendezvous(r, timeout, max_flights) for r in range(n)]
         self.most_flights = 0
         self.inbox = [[] for _ in range(n)]
         self.arrived = set()  # (dst, src, initiator, rid): a half delivered to dst
-        self.last = defaultdict(float)
-        self.events, self.seq, self.now = [], itertools.count(), 0.0
         self.committed = defaultdict(list)  # (initiator, rid) -> ranks that committed to it
         self.merged = defaultdict(list)  # (initiator, rid) -> ranks that merged it
         self.unit = [0] * n
-        self.in_transit = 0
         self.honoured = 0
         self.ended = defaultdict(list)
-
-    def at(self, t, fn):
-        heapq.heappush(self.events, (t, next(self.seq), fn))
-
-    def _deliver(self, src, dst, fn):
-        arrive = max(self.now + self.rng.uniform(0.1, 1.0) * self.delay, self.last[(src, dst)] + 1e-9)
-        self.last[(src, dst)] = arrive
-        self.in_transit += 1
-
-        def land():
-            self.in_transit -= 1
-            fn()
-        self.at(arrive, land)
 
     def send(self, src, msg: Message):
         dst = msg.peer

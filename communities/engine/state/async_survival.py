@@ -94,11 +94,17 @@ class ExchangeRecord:
             partner, initiator, rid, merged = (int(x) for x in rows[p])
             if p == rank or partner != rank or merged:
                 continue
-            displacement = self.merged.pop((int(p), initiator, rid), None)
-            if displacement is not None:
-                self.flat.sub_(displacement)
+            if self.undo(int(p), initiator, rid):
                 undone.append(int(p))
         return undone
+
+    def undo(self, partner: int, initiator: int, rid: int) -> bool:
+        """Take back this rank's merge of exchange (initiator, rid) with ``partner``, if it merged one."""
+        displacement = self.merged.pop((partner, initiator, rid), None)
+        if displacement is None:
+            return False
+        self.flat.sub_(displacement)
+        return True
 
 
 class PostedRecord(ExchangeRecord):
@@ -129,9 +135,7 @@ class PostedRecord(ExchangeRecord):
             for partner, initiator, rid in rows[p, 4:].reshape(-1, 3).astype(np.int64).tolist():
                 if partner != rank:
                     continue
-                displacement = self.merged.pop((int(p), initiator, rid), None)
-                if displacement is not None:
-                    self.flat.sub_(displacement)
+                if self.undo(int(p), initiator, rid):
                     undone.append(int(p))
         return undone
 
