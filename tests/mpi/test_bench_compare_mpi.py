@@ -134,7 +134,7 @@ def test_bench_overhead_on_a_tiny_run(tiny_config, tmp_path, capsys):
     (r,) = out["results"]
     # the profile found the signature rounds and the clustering in them (by file and function name)
     assert all(out["profiles"]["tiny"][fn]["s_per_rank"] > 0 for fn in ("signature_rounds.py:run", "find_communities"))
-    assert set(r["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other"}
+    assert set(r["time_split"]) == {"train", "exchange", "signature", "idle", "eval", "other", "turn"}
     assert 0 <= r["signature_share_of_wall"] < 1
 
 
