@@ -110,9 +110,11 @@ class GroupFollowerMixer(Mixer):
         return self.base.shared(("train on", self.t), lambda: not barrier.Test())
 
     def make_record(self, flat):
-        from ..state.async_survival import ExchangeRecord
+        from ..state.async_survival import PostedRecord
 
-        return ExchangeRecord(flat)  # (a member exchanges nothing: its row says so)
+        # a member exchanges nothing (its row says so), but its row has the shape of the rows of the process's other
+        # replicas, whose mixers post exchanges (PostedRecord): the settling gathers them as one block
+        return PostedRecord(flat, lambda: [])
 
     def after_loss(self) -> None:
         """The barriers posted so far, posted again on the new communicator, in their order (as its lead does)."""
