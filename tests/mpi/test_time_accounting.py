@@ -35,5 +35,8 @@ def test_the_split_partitions_the_wall_and_waiting_for_a_slow_rank_is_idle(runs,
         assert abs(parts - per["wall"][r]) <= 0.02 * per["wall"][r], (r, {c: per[c][r] for c in per})
         assert min(per[c][r] for c in TIME_CATEGORIES) >= 0.0
     fast_idle = [per["idle"][r] / per["wall"][r] for r in (1, 2, 3)]
-    assert min(fast_idle) > 0.40, fast_idle
+    # a rank 4x slower leaves the others idle about 3/4 of the time on an idle machine; other jobs on the 2 cores
+    # (4 ranks oversubscribed) took one fast rank of ifca down to 0.34 once: the bound is what no accounting bug
+    # (idle counted as training, or not at all) would pass
+    assert min(fast_idle) > 0.25, fast_idle
     assert per["idle"][0] / per["wall"][0] < min(fast_idle)  # the slow rank is the one they wait for
