@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..core.groups import GroupLayout
-from .membership import Membership
+from .membership import Membership, RanksAlive
 
 
 class IntraGroup(Protocol):
@@ -104,7 +104,7 @@ class _GroupRows:
         return done
 
 
-class GroupWorld:
+class GroupWorld(RanksAlive):
     """The run as its groups see it: logical rank = this replica's group, size = the number of groups.
 
     Built by every replica (``build_groups``); the group-level parts of the engine take it in place of the
@@ -122,26 +122,6 @@ class GroupWorld:
         self.watchdog = base.watchdog
 
     # ------------------------------------------------------------ who
-
-    @property
-    def size(self) -> int:
-        return self.membership.size
-
-    @property
-    def alive(self) -> np.ndarray:
-        return self.membership.alive
-
-    @property
-    def members(self) -> np.ndarray:
-        return self.membership.members
-
-    @property
-    def n_alive(self) -> int:
-        return self.membership.n_alive
-
-    @property
-    def whole(self) -> bool:
-        return self.membership.whole
 
     @property
     def lead(self) -> int:

@@ -15,38 +15,18 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from .membership import Membership
+from .membership import Membership, RanksAlive
 from .tags import Tag
 from .traffic import Call, Traffic, wire_bytes
 
 
-class LogicalRanks(Traffic):
+class LogicalRanks(Traffic, RanksAlive):
     """The logical ranks of a job (``membership``) and the calls every view builds the same way."""
 
     rank: int
     membership: Membership
 
     # ---------------------------------------------------------------- who
-
-    @property
-    def size(self) -> int:
-        return self.membership.size
-
-    @property
-    def members(self) -> np.ndarray:
-        return self.membership.members
-
-    @property
-    def alive(self) -> np.ndarray:
-        return self.membership.alive
-
-    @property
-    def n_alive(self) -> int:
-        return self.membership.n_alive
-
-    @property
-    def whole(self) -> bool:
-        return self.membership.whole
 
     @property
     def lead(self) -> int:

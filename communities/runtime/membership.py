@@ -88,3 +88,29 @@ class Membership:
         lost = sorted(set(self.members.tolist()) - set(members.tolist()))
         self.members = members
         return lost
+
+
+class RanksAlive:
+    """Who a view's logical ranks are, read from its ``membership`` (``LogicalRanks`` and a ``GroupWorld``)."""
+
+    membership: Membership
+
+    @property
+    def size(self) -> int:
+        return self.membership.size
+
+    @property
+    def members(self) -> np.ndarray:
+        return self.membership.members
+
+    @property
+    def alive(self) -> np.ndarray:
+        return self.membership.alive
+
+    @property
+    def n_alive(self) -> int:
+        return self.membership.n_alive
+
+    @property
+    def whole(self) -> bool:
+        return self.membership.whole
