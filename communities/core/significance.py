@@ -16,16 +16,23 @@ The test, per signature round (pure functions of the gathered rows):
 2. The statistic is the profile ``L_k = log(W_k / W_1)``, k = 2..max_k, of
    Ward's tree on Y: ``W_k`` is the within-community sum of squares of the tree
    cut into k (Ward merges add ``h^2 / 2`` to it, so one tree gives every k).
-3. The null draws are clouds without communities of the same size and spread:
-   each principal axis keeps its variance ``s_j^2`` and gets independent
-   uniform scores. Uniform is the least favourable unimodal reference
-   (Tibshirani, Walther & Hastie 2001, the gap statistic's reference "aligned
-   with the principal components"): a uniform cloud splits more cleanly than a
-   Gaussian of the same variance, so a Gaussian cloud, or any flatter-topped
-   unimodal one, is rejected less often than the level. (A Gaussian null with
-   the rows' own covariance, as SigClust's, Liu et al. 2008, was rejected on
-   a quarter of real IID first rounds at 64 replicas: their top components are
-   flatter than Gaussian.)
+3. The null draws are clouds without communities of the same size and spread,
+   put through the same steps as the rows (a parametric bootstrap): n rows of
+   independent uniform scores on every principal axis the rows span, with
+   variances set so that the draws' principal variances match the rows' on
+   average (``null_variances``), centred and reduced to *their own* top r
+   principal scores. Re-estimating the axes inside each draw matters with
+   few rows: the observed top components are the directions that happen to
+   spread the rows most, which makes them look more split than axes taken as
+   known (with the axes fixed, clouds of the null's own shape were split at
+   twice the level up to 64 rows). Uniform is the least favourable unimodal
+   reference (Tibshirani, Walther & Hastie 2001, the gap statistic's reference
+   "aligned with the principal components"): a uniform cloud splits more
+   cleanly than a Gaussian of the same variance, so a Gaussian cloud, or any
+   flatter-topped unimodal one, is rejected less often than the level. (A
+   Gaussian null with the rows' own covariance, as SigClust's, Liu et al.
+   2008, was rejected on a quarter of real IID first rounds at 64 replicas:
+   their top components are flatter than Gaussian.)
 4. Each profile is standardised by the mean and deviation of the other B
    profiles (leave one out) and reduced to its largest standardised gap
    ``T = max_k z_k``; the p-value is the rank of the observed T among the
@@ -45,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import numpy as np
+from scipy import linalg
 from scipy.cluster import hierarchy
 
 from .blas import aligned, one_blas_thread
@@ -54,6 +62,8 @@ from .protocol import Purpose, rng
 _FLOOR = 1e-300
 # The counter of the subsample's stream (the null draws use 0, 1, ...: the protocol's rng takes i < 2^20)
 _SUBSAMPLE = (1 << 20) - 1
+# Null draws whose mean spectrum sets the null's axis variances (null_variances), per pass
+SPECTRUM_DRAWS = 16
 
 
 @dataclass(frozen=True)
@@ -113,26 +123,65 @@ def ward_profile(Y: np.ndarray, max_k: int) -> np.ndarray:
 NULLS = ("uniform", "gaussian")
 
 
-def null_scores(s: np.ndarray, n: int, seed: int, t: int, draw: int, *, null: str = "uniform") -> np.ndarray:
-    """One draw of the null: n rows without communities whose principal axes keep the variances ``s^2``
-    (orthonormal columns of independent uniform, or Gaussian, scores)."""
+def _unit_scores(n: int, m: int, seed: int, t: int, draw: int, null: str) -> np.ndarray:
+    """One draw's (n, m) independent scores of unit variance, uniform or Gaussian, keyed by (seed, t, draw)."""
     gen = rng(seed, Purpose.COMMUNITY, t, draw)
-    G = gen.uniform(-1.0, 1.0, size=(n, s.size)) if null == "uniform" else gen.standard_normal(size=(n, s.size))
-    G -= G.mean(axis=0)
-    return orthonormal_columns(G) * s
+    if null == "uniform":
+        return gen.uniform(-np.sqrt(3.0), np.sqrt(3.0), size=(n, m))
+    return gen.standard_normal(size=(n, m))
 
 
-def orthonormal_columns(G: np.ndarray) -> np.ndarray:
-    """The orthonormal columns nearest to G's (Loewdin's symmetric orthogonalisation, G (G'G)^(-1/2)).
-
-    The observed scores' columns are orthogonal (U of an SVD); a null draw's must be too, or with few rows (r
-    close to N - 1) its random inner products would make it look far more clustered than any real cloud. The
-    symmetric form moves each column as little as possible, so with r << N the uniform scores stay uniform.
-    """
+def _sample_variances(X: np.ndarray) -> np.ndarray:
+    """The principal variances of the centred rows (squared singular values over n - 1), largest first."""
+    Xc = aligned(X - X.mean(axis=0))
     with one_blas_thread():
-        w, V = np.linalg.eigh(G.T @ G)
-    w = np.maximum(w, w.max() * 1e-12)
-    return G @ (V / np.sqrt(w)) @ V.T
+        w = np.linalg.eigvalsh(Xc.T @ Xc if Xc.shape[1] <= Xc.shape[0] else Xc @ Xc.T)
+    return np.maximum(w[::-1], 0.0) / (X.shape[0] - 1.0)
+
+
+def _top_scores(X: np.ndarray, r: int) -> np.ndarray:
+    """The top-r principal scores of the centred rows (as ``principal_scores``, up to each column's sign).
+
+    A null draw needs only these: the top r eigenpairs of the smaller Gram matrix (``Xc'Xc`` or ``Xc Xc'``, one
+    partial symmetric eigensolve) cost a fraction of an SVD of the (n, m) draw.
+    """
+    Xc = aligned(X - X.mean(axis=0))
+    tall = Xc.shape[1] <= Xc.shape[0]
+    G = Xc.T @ Xc if tall else Xc @ Xc.T
+    r = min(r, G.shape[0])
+    with one_blas_thread():  # a partial solve pays off on large Gram matrices only (scipy's call costs ~0.4 ms)
+        w, V = (np.linalg.eigh(G) if G.shape[0] <= 128
+                else linalg.eigh(G, subset_by_index=[G.shape[0] - r, G.shape[0] - 1]))
+    w, V = np.maximum(w[::-1][:r], 0.0), V[:, ::-1][:, :r]
+    return Xc @ V if tall else V * np.sqrt(w)
+
+
+def null_variances(s: np.ndarray, n: int, seed: int, t: int, *, draws: int, null: str = "uniform",
+                   passes: int = 2) -> np.ndarray:
+    """The null's axis variances: those whose draws' principal variances match the rows' on average.
+
+    Why not the rows' own ``s^2 / (n - 1)``: sample principal variances are more spread than the axes' (the top
+    ones inflated, the bottom ones shrunk, the more so the fewer the rows), so a null taking them as its axes
+    would be re-estimated more spread still, look more split, and reject clouds of its own shape far below the
+    level. Each pass scales every axis down by observed over drawn where the draws' are larger (the method of
+    moments, on the first ``SPECTRUM_DRAWS`` null draws; only down: the smallest sample variances are shrunk so
+    far that matching them would lift the bottom axes above the top ones).
+    """
+    observed = s[s > s[0] * 1e-12] ** 2 / (n - 1.0)  # the axes the rows span (centring removes one)
+    var = observed.copy()
+    for _ in range(passes):
+        drawn = np.zeros_like(var)
+        for b in range(min(draws, SPECTRUM_DRAWS)):
+            drawn += _sample_variances(_unit_scores(n, var.size, seed, t, b, null) * np.sqrt(var))[:var.size]
+        drawn /= min(draws, SPECTRUM_DRAWS)
+        var = np.sort(var * np.minimum(observed / np.maximum(drawn, _FLOOR), 1.0))[::-1]
+    return var
+
+
+def null_scores(var: np.ndarray, n: int, seed: int, t: int, draw: int, *, r: int, null: str = "uniform") -> np.ndarray:
+    """One draw of the null, reduced as the rows were: n rows of independent scores on axes of variances
+    ``var`` (``null_variances``), centred, then their own top-r principal scores."""
+    return _top_scores(_unit_scores(n, var.size, seed, t, draw, null) * np.sqrt(var), r)
 
 
 def _leave_one_out_z(profiles: np.ndarray) -> np.ndarray:
@@ -198,8 +247,9 @@ def detect_communities(rows: np.ndarray, *, max_k: int, alpha: float, draws: int
     r = Y.shape[1]
     profiles = np.empty((draws + 1, max_k - 1))
     profiles[0] = ward_profile(Y, max_k)
+    var = null_variances(s, n, seed, t, draws=draws, null=null)
     for b in range(draws):
-        profiles[b + 1] = ward_profile(null_scores(s[:r], n, seed, t, b, null=null), max_k)
+        profiles[b + 1] = ward_profile(null_scores(var, n, seed, t, b, r=r, null=null), max_k)
     z = _leave_one_out_z(profiles)
     stat = z.max(axis=1)
     p = float(1 + np.count_nonzero(stat[1:] >= stat[0])) / (draws + 1)

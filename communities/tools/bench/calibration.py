@@ -26,6 +26,9 @@ from typing import Dict, List, Optional
 
 from .common import fmt_table, machine_load, median, write_json
 
+# The seed offset between the blocks of one run (--blocks): far from any run's own seed
+BLOCK_SEEDS = 1_000_003
+
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple:
     """The 95% Wilson score interval of a rate hits / n."""
@@ -112,9 +115,11 @@ def real_decisions(paths, cc, round_index: int, blocks: int = 0):
             if (path / "partition.json").is_file() else None
         planted = planted or (groups is not None and len(set(groups)) > 1)
         size = blocks if 0 < blocks < S.shape[0] else S.shape[0]
-        for lo in range(0, S.shape[0] - size + 1, size):
+        for block, lo in enumerate(range(0, S.shape[0] - size + 1, size)):
             part = None if groups is None else groups[lo: lo + size]
-            decisions.append(decide(S[lo: lo + size], cc, seed=seed, t=int(info["t"]), groups=part))
+            # each block's null draws keyed apart (a world of its own), the first block's as the run's
+            decisions.append(decide(S[lo: lo + size], cc, seed=seed + BLOCK_SEEDS * block, t=int(info["t"]),
+                                    groups=part))
         sizes.add(size)
     return decisions, (sizes.pop() if len(sizes) == 1 else "/".join(str(s) for s in sorted(sizes))), planted
 
