@@ -123,7 +123,7 @@ def ward_profile(Y: np.ndarray, max_k: int) -> np.ndarray:
 NULLS = ("uniform", "gaussian")
 
 
-def _unit_scores(n: int, m: int, seed: int, t: int, draw: int, null: str) -> np.ndarray:
+def _unit_scores(n: int, m: int, seed: int, t: int, draw: int, *, null: str) -> np.ndarray:
     """One draw's (n, m) independent scores of unit variance, uniform or Gaussian, keyed by (seed, t, draw)."""
     gen = rng(seed, Purpose.COMMUNITY, t, draw)
     if null == "uniform":
@@ -131,57 +131,80 @@ def _unit_scores(n: int, m: int, seed: int, t: int, draw: int, null: str) -> np.
     return gen.standard_normal(size=(n, m))
 
 
-def _sample_variances(X: np.ndarray) -> np.ndarray:
-    """The principal variances of the centred rows (squared singular values over n - 1), largest first."""
-    Xc = aligned(X - X.mean(axis=0))
-    with one_blas_thread():
-        w = np.linalg.eigvalsh(Xc.T @ Xc if Xc.shape[1] <= Xc.shape[0] else Xc @ Xc.T)
-    return np.maximum(w[::-1], 0.0) / (X.shape[0] - 1.0)
+class NullDraws:
+    """The B null draws of one test, their unit scores drawn and centred once.
 
-
-def _top_scores(X: np.ndarray, r: int) -> np.ndarray:
-    """The top-r principal scores of the centred rows (as ``principal_scores``, up to each column's sign).
-
-    A null draw needs only these: the top r eigenpairs of the smaller Gram matrix (``Xc'Xc`` or ``Xc Xc'``, one
-    partial symmetric eigensolve) cost a fraction of an SVD of the (n, m) draw.
+    Why: the axis variances are set from the first draws' spectra (``variances``) before every draw is reduced to
+    its top scores (``scores``); a draw scaled by axis variances ``var`` is its centred units times ``sqrt(var)``
+    (centring commutes with scaling the columns), so the Gram matrices of the units are formed once and each
+    scaling is an element-wise product, and the eigensolves of all draws run as one stacked call.
     """
-    Xc = aligned(X - X.mean(axis=0))
-    tall = Xc.shape[1] <= Xc.shape[0]
-    G = Xc.T @ Xc if tall else Xc @ Xc.T
-    r = min(r, G.shape[0])
-    with one_blas_thread():  # a partial solve pays off on large Gram matrices only (scipy's call costs ~0.4 ms)
-        w, V = (np.linalg.eigh(G) if G.shape[0] <= 128
-                else linalg.eigh(G, subset_by_index=[G.shape[0] - r, G.shape[0] - 1]))
-    w, V = np.maximum(w[::-1][:r], 0.0), V[:, ::-1][:, :r]
-    return Xc @ V if tall else V * np.sqrt(w)
+
+    def __init__(self, n: int, m: int, *, seed: int, t: int, draws: int, null: str = "uniform"):
+        units = np.stack([_unit_scores(n, m, seed, t, b, null=null) for b in range(draws)])
+        self.centred = units - units.mean(axis=1, keepdims=True)  # (B, n, m)
+        self.tall = m <= n  # the smaller Gram matrix: (m, m) of the axes, or (n, n) of the rows
+        self.gram = np.zeros(0)
+        if self.tall:
+            with one_blas_thread():
+                self.gram = np.matmul(self.centred.transpose(0, 2, 1), self.centred)
+        self.n = n
+
+    def _grams(self, var: np.ndarray, count: int) -> np.ndarray:
+        root = np.sqrt(var)
+        if self.tall:
+            return self.gram[:count] * np.outer(root, root)
+        with one_blas_thread():
+            return np.matmul(self.centred[:count] * var, self.centred[:count].transpose(0, 2, 1))
+
+    def spectra(self, var: np.ndarray, count: int) -> np.ndarray:
+        """(count, m'): the principal variances of the first ``count`` draws on axes ``var``, largest first."""
+        with one_blas_thread():
+            w = np.linalg.eigvalsh(self._grams(var, count))
+        return np.maximum(w[:, ::-1], 0.0) / (self.n - 1.0)
+
+    def variances(self, s: np.ndarray, *, passes: int = 2) -> np.ndarray:
+        """The null's axis variances: those whose draws' principal variances match the rows' on average.
+
+        Why not the rows' own ``s^2 / (n - 1)``: sample principal variances are more spread than the axes' (the
+        top ones inflated, the bottom ones shrunk, the more so the fewer the rows), so a null taking them as its
+        axes would be re-estimated more spread still, look more split, and reject clouds of its own shape far
+        below the level. Each pass scales every axis down by observed over drawn where the draws' are larger
+        (the method of moments, on the first ``SPECTRUM_DRAWS`` draws; only down: the smallest sample variances
+        are shrunk so far that matching them would lift the bottom axes above the top ones).
+        """
+        m = self.centred.shape[2]
+        observed = s[:m] ** 2 / (self.n - 1.0)
+        var = observed.copy()
+        count = min(self.centred.shape[0], SPECTRUM_DRAWS)
+        for _ in range(passes):
+            drawn = self.spectra(var, count)[:, :m].mean(axis=0)
+            var = np.sort(var * np.minimum(observed / np.maximum(drawn, _FLOOR), 1.0))[::-1]
+        return var
+
+    def scores(self, var: np.ndarray, r: int) -> np.ndarray:
+        """(B, n, r): every draw's own top-r principal scores on axes ``var`` (as ``principal_scores``, up to
+        each column's sign)."""
+        G = self._grams(var, self.centred.shape[0])
+        k = G.shape[1]
+        r = min(r, k)
+        with one_blas_thread():
+            if k <= 128:  # one stacked full solve; past that a partial solve per draw is cheaper
+                w, V = np.linalg.eigh(G)
+            else:
+                pairs = [linalg.eigh(g, subset_by_index=[k - r, k - 1]) for g in G]
+                w, V = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+            w, V = np.maximum(w[:, ::-1][:, :r], 0.0), V[:, :, ::-1][:, :, :r]
+            if self.tall:
+                return np.matmul(self.centred * np.sqrt(var), V)
+        return V * np.sqrt(w)[:, None, :]
 
 
 def null_variances(s: np.ndarray, n: int, seed: int, t: int, *, draws: int, null: str = "uniform",
                    passes: int = 2) -> np.ndarray:
-    """The null's axis variances: those whose draws' principal variances match the rows' on average.
-
-    Why not the rows' own ``s^2 / (n - 1)``: sample principal variances are more spread than the axes' (the top
-    ones inflated, the bottom ones shrunk, the more so the fewer the rows), so a null taking them as its axes
-    would be re-estimated more spread still, look more split, and reject clouds of its own shape far below the
-    level. Each pass scales every axis down by observed over drawn where the draws' are larger (the method of
-    moments, on the first ``SPECTRUM_DRAWS`` null draws; only down: the smallest sample variances are shrunk so
-    far that matching them would lift the bottom axes above the top ones).
-    """
-    observed = s[s > s[0] * 1e-12] ** 2 / (n - 1.0)  # the axes the rows span (centring removes one)
-    var = observed.copy()
-    for _ in range(passes):
-        drawn = np.zeros_like(var)
-        for b in range(min(draws, SPECTRUM_DRAWS)):
-            drawn += _sample_variances(_unit_scores(n, var.size, seed, t, b, null) * np.sqrt(var))[:var.size]
-        drawn /= min(draws, SPECTRUM_DRAWS)
-        var = np.sort(var * np.minimum(observed / np.maximum(drawn, _FLOOR), 1.0))[::-1]
-    return var
-
-
-def null_scores(var: np.ndarray, n: int, seed: int, t: int, draw: int, *, r: int, null: str = "uniform") -> np.ndarray:
-    """One draw of the null, reduced as the rows were: n rows of independent scores on axes of variances
-    ``var`` (``null_variances``), centred, then their own top-r principal scores."""
-    return _top_scores(_unit_scores(n, var.size, seed, t, draw, null) * np.sqrt(var), r)
+    """The null's axis variances for rows of singular values ``s`` (``NullDraws.variances``)."""
+    s = s[s > s[0] * 1e-12]  # the axes the rows span (centring removes one)
+    return NullDraws(n, s.size, seed=seed, t=t, draws=draws, null=null).variances(s, passes=passes)
 
 
 def _leave_one_out_z(profiles: np.ndarray) -> np.ndarray:
@@ -247,9 +270,10 @@ def detect_communities(rows: np.ndarray, *, max_k: int, alpha: float, draws: int
     r = Y.shape[1]
     profiles = np.empty((draws + 1, max_k - 1))
     profiles[0] = ward_profile(Y, max_k)
-    var = null_variances(s, n, seed, t, draws=draws, null=null)
-    for b in range(draws):
-        profiles[b + 1] = ward_profile(null_scores(var, n, seed, t, b, r=r, null=null), max_k)
+    spanned = s[s > s[0] * 1e-12]  # the axes the rows span (centring removes one)
+    null_draws = NullDraws(n, spanned.size, seed=seed, t=t, draws=draws, null=null)
+    for b, Yb in enumerate(null_draws.scores(null_draws.variances(spanned), r)):
+        profiles[b + 1] = ward_profile(Yb, max_k)
     z = _leave_one_out_z(profiles)
     stat = z.max(axis=1)
     p = float(1 + np.count_nonzero(stat[1:] >= stat[0])) / (draws + 1)

@@ -77,9 +77,7 @@ def test_the_null_axes_are_set_so_that_the_draws_spectrum_matches_the_rows():
     var = significance.null_variances(s, 16, seed=0, t=5, draws=39)
     assert var.size == 6 and np.all(np.diff(var) <= 0) and np.all(var <= observed + 1e-12)
     assert var[0] < 0.95 * observed[0]  # the top axis, inflated by sampling, is scaled down
-    drawn = np.mean([significance._sample_variances(significance._unit_scores(16, 6, 0, 5, b, "uniform")
-                                                    * np.sqrt(var)) for b in range(significance.SPECTRUM_DRAWS)],
-                    axis=0)
+    drawn = significance.NullDraws(16, 6, seed=0, t=5, draws=39).spectra(var, significance.SPECTRUM_DRAWS).mean(axis=0)
     np.testing.assert_allclose(drawn[:2], observed[:2], rtol=0.1)
 
 
