@@ -183,7 +183,10 @@ class StackedTrainer:
             fn = vmap(lambda params, xb: functional_call(self.model, params, (xb,)), in_dims=(0, None),
                       randomness="same")
             for lo in range(0, len(weights), chunk):
-                rows = torch.stack([w[:P] for w in weights[lo: lo + chunk]])
+                part = weights[lo: lo + chunk]
+                own = self.flats[lo: lo + len(part)]
+                # a process's replicas re-homed into the trainer's rows are scored there, without a stacked copy
+                rows = own if own.shape[1] == P and are_rows(own, part) else torch.stack([w[:P] for w in part])
                 params = {k: rows[:, o: o + int(np.prod(s, dtype=np.int64))].view(len(rows), *s)
                           for k, s, o in zip(self.names, self.shapes, self.offsets)}
                 loss = torch.zeros(len(rows), dtype=torch.float64)
@@ -646,8 +649,11 @@ class Member:
 def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int, t: int,
                   steps: Optional[int] = None, *, group_size: int = 1,
                   across: Optional[Callable[[torch.Tensor], Any]] = None) -> List[Tuple[train.UnitResult, float]]:
-    """Unit t of every member as one stacked model: their weights and optimizer states are copied in, trained,
-    and copied back into each member's own buffers (a checkpoint, a merge or an exchange sees them as always).
+    """Unit t of every member as one stacked model. Where the members' flat buffers are the trainer's rows, in
+    order (``are_rows``: a process's replicas re-homed into one block), the step trains them in place and each
+    member's optimizer moments become views of its rows of the stacked moments: nothing is copied in or back.
+    Otherwise their weights and optimizer states are copied in, trained, and copied back into each member's own
+    buffers. Either way a checkpoint, a merge or an exchange sees them as always.
 
     Each member's hyperparameters are its optimizer's ``param_groups[0]`` (``StackedOptimizer.set_rows``): equal to
     the trainer's cfg, the scalar step runs; otherwise every row steps with its own.
@@ -655,23 +661,36 @@ def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int,
     """
     start = time.perf_counter()
     n = trainer.n_params
+    in_place = are_rows(trainer.flats, [m.flat for m in members])
     trainer.optimizer.set_rows([m.opt.param_groups[0] for m in members])  # each member's own lr, momentum, ... (PBT)
     with torch.no_grad():
         for r, m in enumerate(members):
-            trainer.flats[r].copy_(m.flat[:n])
+            if not in_place:
+                trainer.flats[r].copy_(m.flat[:n])
             _state_in(trainer.optimizer, r, m)
     results = trainer.train_unit([m.x for m in members], [m.y for m in members], [m.rank for m in members],
                                  seed, t, steps=steps, group_size=group_size, across=across)
     with torch.no_grad():
         for r, m in enumerate(members):
-            m.flat[:n].copy_(trainer.flats[r])
-            _state_out(trainer.optimizer, r, m)
+            if not in_place:
+                m.flat[:n].copy_(trainer.flats[r])
+            _state_out(trainer.optimizer, r, m, bind=in_place)
     share = (time.perf_counter() - start) / max(len(members), 1)
     return [(res, share) for res in results]
 
 
+def are_rows(stacked: torch.Tensor, flats: Sequence[torch.Tensor]) -> bool:
+    """Whether ``flats`` are the rows of ``stacked`` (R, F), in order, each whole: then a stacked step on
+    ``stacked`` is a step on them, with nothing to copy."""
+    if stacked.ndim != 2 or len(flats) != stacked.shape[0]:
+        return False
+    return all(f.numel() == stacked.shape[1] and f.is_contiguous() and f.data_ptr() == stacked[r].data_ptr()
+               for r, f in enumerate(flats))
+
+
 def _state_in(stacked: StackedOptimizer, r: int, m: Member) -> None:
-    """Member r's torch.optim state into the stacked rows (none yet: its first step starts it, as torch's)."""
+    """Member r's torch.optim state into the stacked rows (none yet: its first step starts it, as torch's); a
+    moment that already is a view of its row (``_state_out`` with ``bind``) is not copied."""
     sgd = stacked.cfg.optimizer == "sgd"
     params = list(m.model.parameters())
     states = [m.opt.state.get(p) for p in params]
@@ -681,18 +700,18 @@ def _state_in(stacked: StackedOptimizer, r: int, m: Member) -> None:
     for st, o, p in zip(states, stacked.offsets, params):
         k = p.numel()
         assert st is not None
-        if sgd:
-            stacked.momentum[r, o: o + k].copy_(st["momentum_buffer"].reshape(-1))
-        else:
-            assert stacked.second is not None
-            stacked.momentum[r, o: o + k].copy_(st["exp_avg"].reshape(-1))
-            stacked.second[r, o: o + k].copy_(st["exp_avg_sq"].reshape(-1))
+        for key, dst in _moments(stacked, sgd).items():
+            row = dst[r, o: o + k]
+            if st[key].data_ptr() != row.data_ptr():
+                row.copy_(st[key].reshape(-1))
+        if not sgd:
             stacked.step[r] = float(st["step"])
     stacked.has_state[r] = True
 
 
-def _state_out(stacked: StackedOptimizer, r: int, m: Member) -> None:
-    """The stacked optimizer's rows back into member r's torch.optim state, in torch's own keys and types."""
+def _state_out(stacked: StackedOptimizer, r: int, m: Member, *, bind: bool = False) -> None:
+    """The stacked optimizer's rows back into member r's torch.optim state, in torch's own keys and types: as
+    copies, or (``bind``: the member's weights are the trainer's rows) as views of its rows, copied no more."""
     if not bool(stacked.has_state[r]):
         return
     sgd = stacked.cfg.optimizer == "sgd"
@@ -701,14 +720,21 @@ def _state_out(stacked: StackedOptimizer, r: int, m: Member) -> None:
     for p, o in zip(m.model.parameters(), stacked.offsets):
         k = p.numel()
         st = m.opt.state[p]
-        rows = {"momentum_buffer": stacked.momentum} if sgd else {"exp_avg": stacked.momentum,
-                                                                  "exp_avg_sq": stacked.second}
-        for key, src in rows.items():
-            assert src is not None
+        for key, src in _moments(stacked, sgd).items():
             value = src[r, o: o + k].view_as(p)
-            if st.get(key) is None:
+            if bind:
+                st[key] = value
+            elif st.get(key) is None:
                 st[key] = value.clone()
             else:
                 st[key].copy_(value)
         if not sgd:
             st["step"] = torch.tensor(float(stacked.step[r]), dtype=torch.float32)
+
+
+def _moments(stacked: StackedOptimizer, sgd: bool) -> Dict[str, torch.Tensor]:
+    """The stacked moments under torch.optim's keys."""
+    if sgd:
+        return {"momentum_buffer": stacked.momentum}
+    assert stacked.second is not None
+    return {"exp_avg": stacked.momentum, "exp_avg_sq": stacked.second}
