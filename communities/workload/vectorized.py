@@ -34,6 +34,7 @@ leaves such a model on the sequential path.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -625,10 +626,41 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
             if t:
                 seq, vec = seq + t1 - t0, vec + t2 - t1
         ref = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in ms])
+        copied, in_place, same = _population_paths(template, xs, ys, cfg, units, seed)
         out.append({"replicas": R, "units": units, "shard_size": int(np.mean([len(y) for y in ys])),
                     "sequential_rps": R * units / seq, "vectorized_rps": R * units / vec, "speedup": seq / vec,
-                    "max_abs_diff": float((ref - flats).abs().max())})
+                    "max_abs_diff": float((ref - flats).abs().max()),
+                    "population_copy_rps": R * units / copied, "population_rows_rps": R * units / in_place,
+                    "rows_equal_copy": same})
     return out
+
+
+def _population_paths(template: nn.Module, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], cfg: Any,
+                      units: int, seed: int) -> Tuple[float, float, bool]:
+    """The engine's stacked unit (``train_members``) with each replica's weights and torch.optim state in buffers of
+    its own (copied in and back: the engine before replicas were rows) and as rows of one block (in place): the
+    seconds of each over ``units`` timed units (interleaved, after a warm-up), and whether their weights are equal."""
+    from . import models
+
+    R = len(xs)
+    paths = []
+    for rows in (False, True):
+        block = torch.zeros(R, sum(p.numel() for p in template.parameters()))
+        members = []
+        for r in range(R):
+            m = copy.deepcopy(template)
+            flat, _ = models.flatten_(m, out=block[r] if rows else None)
+            members.append(Member(m, train.make_optimizer(cfg, m.parameters()), flat, xs[r], ys[r], r))
+        trainer = StackedTrainer(template, block if rows else torch.zeros_like(block), cfg, name="mlp")
+        paths.append((trainer, members))
+    spent = [0.0, 0.0]
+    for t in range(units + 1):
+        for i, (trainer, members) in enumerate(paths):
+            t0 = time.perf_counter()
+            train_members(trainer, members, seed, t)
+            spent[i] += (time.perf_counter() - t0) if t else 0.0
+    same = all(torch.equal(a.flat, b.flat) for a, b in zip(paths[0][1], paths[1][1]))
+    return spent[0], spent[1], same
 
 
 # --------------------------------------------------------------------------- replicas that keep their own state
