@@ -626,7 +626,7 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
             if t:
                 seq, vec = seq + t1 - t0, vec + t2 - t1
         ref = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in ms])
-        copied, in_place, same = _population_paths(template, xs, ys, cfg, units, seed)
+        copied, in_place, same = _population_paths(template, xs, ys, cfg, units=units, seed=seed)
         out.append({"replicas": R, "units": units, "shard_size": int(np.mean([len(y) for y in ys])),
                     "sequential_rps": R * units / seq, "vectorized_rps": R * units / vec, "speedup": seq / vec,
                     "max_abs_diff": float((ref - flats).abs().max()),
@@ -635,7 +635,7 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
     return out
 
 
-def _population_paths(template: nn.Module, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], cfg: Any,
+def _population_paths(template: nn.Module, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], cfg: Any, *,
                       units: int, seed: int) -> Tuple[float, float, bool]:
     """The engine's stacked unit (``train_members``) with each replica's weights and torch.optim state in buffers of
     its own (copied in and back: the engine before replicas were rows) and as rows of one block (in place): the
