@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from ..core import protocol
 from ..core.groups import tree_sum_rows
 from ..errors import ConfigError
 from . import train
@@ -268,7 +269,9 @@ class StackedTrainer:
         X, Y, offs = self._stacked_data(xs, ys)
         dev = self.flats.device
         self.model.train()  # as train.train_unit does: the template may have been left in eval mode by a score
-        plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps=steps)) for r in range(R)]
+        keyed = protocol.Rekeyed()  # each replica's shuffle consumed at once: one generator re-keyed, the same draws
+        plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps=steps, keyed=keyed))
+                 for r in range(R)]
         idx, sizes = _index_plan(plans, offs)  # (K, R, B) rows of X, (K, R) batch sizes
         K, B = idx.shape[0], idx.shape[2]
         total_loss = torch.zeros(R, dtype=torch.float64, device=dev)
