@@ -48,7 +48,7 @@ def rng(seed: int, purpose: int, t: int, i: int = 0) -> np.random.Generator:
 
 class Rekeyed:
     """``rng``'s streams from one generator, re-keyed for each key: the same draws without building a generator
-    per key (about 20 us each, where a process's 64 replicas' batch shuffles are ~10% of a stacked unit). Each
+    per key (about 20 us each: a stacked unit's 64 batch shuffles took 2.5 ms, 0.85 ms re-keyed). Each
     call hands back the same generator: use its stream up before the next call."""
 
     def __init__(self) -> None:
