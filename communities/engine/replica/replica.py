@@ -253,7 +253,7 @@ class Replica:
         """The model holds ``weights`` inside the block, this rank's own again after it (an error too); with
         ``fresh_optimizer`` the optimizer starts the block with no state and gets its own back after it."""
         saved = self.flat.clone()
-        saved_opt = copy.deepcopy(self.opt.state_dict()) if fresh_optimizer else None
+        saved_opt = copy.deepcopy(self.optimizer_state()) if fresh_optimizer else None
         self.flat.copy_(weights)
         if fresh_optimizer:
             self.opt.state.clear()
@@ -290,11 +290,16 @@ class Replica:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def optimizer_state(self) -> dict:
+        """The optimizer's state dict, its tensors this replica's own: trained as rows, its moments are views of
+        the process's stacked ones, which a copy or a save would otherwise carry whole (block.py)."""
+        state = self.opt.state_dict()
+        return state if self.rows is None else block.compact_optimizer_state(state)
+
     def state_dict(self) -> dict:
         return {
             "flat": self.flat.detach().cpu().clone(),
-            "optimizer": self.opt.state_dict() if self.rows is None else block.compact_optimizer_state(
-                self.opt.state_dict()),  # (its moments are views of the process's stacked ones)
+            "optimizer": self.optimizer_state(),
             "torch_rng": torch.get_rng_state(),
             "outer_m": self.outer.m.detach().cpu().clone() if self.outer is not None else None,
             "anchor": self.anchor.detach().cpu().clone() if self.anchor is not None else None,
