@@ -46,6 +46,25 @@ def rng(seed: int, purpose: int, t: int, i: int = 0) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=[int(seed), (int(purpose) << 48) | (int(t) << 20) | int(i)]))
 
 
+class Rekeyed:
+    """``rng``'s streams from one generator, re-keyed for each key: the same draws without building a generator
+    per key (about 20 us each: a stacked unit's 64 batch shuffles took 2.5 ms, 0.85 ms re-keyed). Each
+    call hands back the same generator: use its stream up before the next call."""
+
+    def __init__(self) -> None:
+        self._bits = np.random.Philox(key=[0, 0])
+        self._gen = np.random.Generator(self._bits)
+
+    def __call__(self, seed: int, purpose: int, t: int, i: int = 0) -> np.random.Generator:
+        key = [int(seed), (int(purpose) << 48) | (int(t) << 20) | int(i)]
+        if min(key) < 0 or max(key) >= 1 << 64:
+            return rng(seed, purpose, t, i)  # (what Philox makes of such a key: its own business)
+        self._bits.state = {"bit_generator": "Philox", "state": {"counter": np.zeros(4, np.uint64),
+                                                                 "key": np.array(key, dtype=np.uint64)},
+                            "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        return self._gen
+
+
 def merge_interval(seed: int, t: int, i: int, lam: float) -> int:
     """K ~ 1 + Poisson(lam - 1): K >= 1 units until rank i's next merge, mean lam."""
     return 1 + int(rng(seed, Purpose.TIMER, t, i).poisson(max(lam - 1.0, 0.0)))

@@ -76,6 +76,24 @@ class CountSketch:
         out.index_add_(0, self.bucket, y)
         return out.cpu()
 
+    def many(self, flats: torch.Tensor, block: int = 16) -> torch.Tensor:
+        """Sketches of the rows of ``flats`` (R, n), ``block`` rows at a time: (R, dim) float64 on the CPU, each
+        row the bits ``self(row)`` gives (the same adds, in the same order, on (block, m) slices)."""
+        flats, m = _check_rows(flats, self.n), self.m
+        out = torch.zeros(len(flats), self.dim, dtype=torch.float64, device=flats.device)
+        for lo in range(0, len(flats), block):
+            part = flats[lo: lo + block]
+            acc = torch.zeros(len(part), 2 * m, dtype=part.dtype, device=part.device)
+            body = part[:, : self.rows * m].reshape(len(part), self.rows, m)
+            for r, (shift, sign) in enumerate(self._rows[: self.rows]):
+                acc[:, shift: shift + m].add_(body[:, r], alpha=sign)
+            if self.tail:
+                shift, sign = self._rows[self.rows]
+                acc[:, shift: shift + self.tail].add_(part[:, self.rows * m:], alpha=sign)
+            y = (acc[:, :m] + acc[:, m:]).mul_(self.col_sign).double()
+            out[lo: lo + block].index_add_(1, self.bucket, y)
+        return out.cpu()
+
 
 class GaussianSketch:
     """``x @ G / sqrt(d)`` with G (n x d) regenerated in chunks from the seed."""
@@ -98,6 +116,30 @@ class GaussianSketch:
             out += (flat[lo:hi] @ G).double()
         return (out / math.sqrt(self.dim)).cpu()
 
+    def many(self, flats: torch.Tensor, *, matmul: bool = False) -> torch.Tensor:
+        """Sketches of the rows of ``flats`` (R, n): (R, dim) float64 on the CPU. Each chunk of G is drawn once for
+        all rows (the draws, P x d of them, are the cost), then applied to each row as ``self(row)`` applies it:
+        the same bits. ``matmul``: one (R, chunk) x (chunk, d) product per chunk instead, which sums in another
+        order (the bits may differ from ``self(row)`` in the last places)."""
+        flats = _check_rows(flats, self.n)
+        out = torch.zeros(len(flats), self.dim, dtype=torch.float64, device=flats.device)
+        g = _generator(self.seed, 2)
+        for lo in range(0, self.n, self.chunk):
+            hi = min(self.n, lo + self.chunk)
+            G = torch.randn(hi - lo, self.dim, generator=g, dtype=self.dtype).to(flats.device)
+            if matmul:
+                out += (flats[:, lo:hi] @ G).double()
+                continue
+            for r in range(len(flats)):
+                out[r] += (flats[r, lo:hi] @ G).double()
+        return (out / math.sqrt(self.dim)).cpu()
+
+
+def _check_rows(flats: torch.Tensor, n: int) -> torch.Tensor:
+    if flats.ndim != 2 or flats.shape[1] != n:
+        raise ValueError(f"signature built for rows of {n} entries, got shape {tuple(flats.shape)}")
+    return flats.detach()
+
 
 def make_sketch(kind: str, n: int, dim: int, seed: int, device="cpu", *, dtype=torch.float32):
     if kind == "countsketch":
@@ -116,6 +158,11 @@ class Signer:
 
     def __call__(self, flat: torch.Tensor) -> np.ndarray:
         return (self.sketch(flat).numpy() - self.reference).astype(np.float32)
+
+    def many(self, flats: torch.Tensor) -> np.ndarray:
+        """The signatures of the rows of ``flats`` (R, n), (R, d): a process's replicas signed at once, each row
+        the bits ``self(row)`` gives."""
+        return (self.sketch.many(flats).numpy() - self.reference).astype(np.float32)
 
 
 def dispersion(signatures: np.ndarray) -> float:

@@ -10,7 +10,7 @@ model, so an exchange sends it as one buffer with no packing, and a merge is one
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -124,11 +124,12 @@ def _merged_tensors(model: nn.Module):
     return params, buffers
 
 
-def flatten_(model: nn.Module) -> Tuple[torch.Tensor, int]:
+def flatten_(model: nn.Module, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int]:
     """Re-home parameters and floating buffers into one flat tensor; returns (flat, n_params).
 
     ``flat[:n_params]`` are the trainable parameters (what signatures sketch);
-    ``flat[n_params:]`` are the floating buffers (merged alongside).
+    ``flat[n_params:]`` are the floating buffers (merged alongside). With ``out`` (a contiguous 1-D tensor of
+    the right size, dtype and device: a row of a process's stacked replicas) they are re-homed into it.
     """
     params, buffers = _merged_tensors(model)
     tensors = params + buffers
@@ -139,7 +140,14 @@ def flatten_(model: nn.Module) -> Tuple[torch.Tensor, int]:
         raise ModelError(f"all parameters and floating buffers must share one dtype, got {sorted(map(str, dtypes))}")
     device = tensors[0].device
     total = sum(t.numel() for t in tensors)
-    flat = torch.empty(total, dtype=tensors[0].dtype, device=device)
+    if out is None:
+        flat = torch.empty(total, dtype=tensors[0].dtype, device=device)
+    elif out.ndim != 1 or out.numel() != total or out.dtype != tensors[0].dtype or out.device != device \
+            or not out.is_contiguous():
+        raise ModelError(f"cannot re-home {total} {tensors[0].dtype} values on {device} into a tensor of shape "
+                         f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+    else:
+        flat = out
     offset = 0
     for t in tensors:
         n = t.numel()

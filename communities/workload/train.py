@@ -95,7 +95,8 @@ def lockstep_steps(shard_sizes, batch_size: int) -> int:
     return -(-max(int(n) for n in shard_sizes) // batch_size)
 
 
-def batches(n: int, batch_size: int, seed: int, rank: int, t: int, *, steps: Optional[int], poisson: bool = False):
+def batches(n: int, batch_size: int, seed: int, rank: int, t: int, *, steps: Optional[int], poisson: bool = False,
+            keyed: Optional[Callable[..., np.random.Generator]] = None):
     """Index batches for unit t: one shuffled epoch, or exactly ``steps`` full batches.
 
     In step mode every batch has ``min(batch_size, n)`` examples, drawn from
@@ -105,8 +106,10 @@ def batches(n: int, batch_size: int, seed: int, rank: int, t: int, *, steps: Opt
     ``poisson`` (privacy.sampling: poisson): every step takes each example
     independently with probability ``q = batch_size / n``, the sampling DP-SGD's
     accountant assumes; batches vary in size and may be empty.
+
+    ``keyed`` (a ``protocol.Rekeyed``, for batches consumed at once) gives the same stream as ``protocol.rng``.
     """
-    g = protocol.rng(seed, protocol.Purpose.SHUFFLE, t, rank)
+    g = (keyed or protocol.rng)(seed, protocol.Purpose.SHUFFLE, t, rank)
     if poisson:
         q = min(1.0, batch_size / n)
         for _ in range(poisson_steps(n, batch_size, steps)):

@@ -34,6 +34,7 @@ leaves such a model on the sequential path.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from ..core import protocol
 from ..core.groups import tree_sum_rows
 from ..errors import ConfigError
 from . import train
@@ -183,7 +185,10 @@ class StackedTrainer:
             fn = vmap(lambda params, xb: functional_call(self.model, params, (xb,)), in_dims=(0, None),
                       randomness="same")
             for lo in range(0, len(weights), chunk):
-                rows = torch.stack([w[:P] for w in weights[lo: lo + chunk]])
+                part = weights[lo: lo + chunk]
+                own = self.flats[lo: lo + len(part)]
+                # a process's replicas re-homed into the trainer's rows are scored there, without a stacked copy
+                rows = own if own.shape[1] == P and are_rows(own, part) else torch.stack([w[:P] for w in part])
                 params = {k: rows[:, o: o + int(np.prod(s, dtype=np.int64))].view(len(rows), *s)
                           for k, s, o in zip(self.names, self.shapes, self.offsets)}
                 loss = torch.zeros(len(rows), dtype=torch.float64)
@@ -264,7 +269,9 @@ class StackedTrainer:
         X, Y, offs = self._stacked_data(xs, ys)
         dev = self.flats.device
         self.model.train()  # as train.train_unit does: the template may have been left in eval mode by a score
-        plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps=steps)) for r in range(R)]
+        keyed = protocol.Rekeyed()  # each replica's shuffle consumed at once: one generator re-keyed, the same draws
+        plans = [list(train.batches(len(ys[r]), cfg.batch_size, seed, int(ranks[r]), t, steps=steps, keyed=keyed))
+                 for r in range(R)]
         idx, sizes = _index_plan(plans, offs)  # (K, R, B) rows of X, (K, R) batch sizes
         K, B = idx.shape[0], idx.shape[2]
         total_loss = torch.zeros(R, dtype=torch.float64, device=dev)
@@ -622,10 +629,41 @@ def benchmark(replicas: Sequence[int] = (64, 256), units: int = 3, shard_size: O
             if t:
                 seq, vec = seq + t1 - t0, vec + t2 - t1
         ref = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in ms])
+        copied, in_place, same = _population_paths(template, xs, ys, cfg, units=units, seed=seed)
         out.append({"replicas": R, "units": units, "shard_size": int(np.mean([len(y) for y in ys])),
                     "sequential_rps": R * units / seq, "vectorized_rps": R * units / vec, "speedup": seq / vec,
-                    "max_abs_diff": float((ref - flats).abs().max())})
+                    "max_abs_diff": float((ref - flats).abs().max()),
+                    "population_copy_rps": R * units / copied, "population_rows_rps": R * units / in_place,
+                    "rows_equal_copy": same})
     return out
+
+
+def _population_paths(template: nn.Module, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], cfg: Any, *,
+                      units: int, seed: int) -> Tuple[float, float, bool]:
+    """The engine's stacked unit (``train_members``) with each replica's weights and torch.optim state in buffers of
+    its own (copied in and back: the engine before replicas were rows) and as rows of one block (in place): the
+    seconds of each over ``units`` timed units (interleaved, after a warm-up), and whether their weights are equal."""
+    from . import models
+
+    R = len(xs)
+    paths = []
+    for rows in (False, True):
+        block = torch.zeros(R, sum(p.numel() for p in template.parameters()))
+        members = []
+        for r in range(R):
+            m = copy.deepcopy(template)
+            flat, _ = models.flatten_(m, out=block[r] if rows else None)
+            members.append(Member(m, train.make_optimizer(cfg, m.parameters()), flat, xs[r], ys[r], r))
+        trainer = StackedTrainer(template, block if rows else torch.zeros_like(block), cfg, name="mlp")
+        paths.append((trainer, members))
+    spent = [0.0, 0.0]
+    for t in range(units + 1):
+        for i, (trainer, members) in enumerate(paths):
+            t0 = time.perf_counter()
+            train_members(trainer, members, seed, t)
+            spent[i] += (time.perf_counter() - t0) if t else 0.0
+    same = all(torch.equal(a.flat, b.flat) for a, b in zip(paths[0][1], paths[1][1]))
+    return spent[0], spent[1], same
 
 
 # --------------------------------------------------------------------------- replicas that keep their own state
@@ -646,8 +684,11 @@ class Member:
 def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int, t: int,
                   steps: Optional[int] = None, *, group_size: int = 1,
                   across: Optional[Callable[[torch.Tensor], Any]] = None) -> List[Tuple[train.UnitResult, float]]:
-    """Unit t of every member as one stacked model: their weights and optimizer states are copied in, trained,
-    and copied back into each member's own buffers (a checkpoint, a merge or an exchange sees them as always).
+    """Unit t of every member as one stacked model. Where the members' flat buffers are the trainer's rows, in
+    order (``are_rows``: a process's replicas re-homed into one block), the step trains them in place and each
+    member's optimizer moments become views of its rows of the stacked moments: nothing is copied in or back.
+    Otherwise their weights and optimizer states are copied in, trained, and copied back into each member's own
+    buffers. Either way a checkpoint, a merge or an exchange sees them as always.
 
     Each member's hyperparameters are its optimizer's ``param_groups[0]`` (``StackedOptimizer.set_rows``): equal to
     the trainer's cfg, the scalar step runs; otherwise every row steps with its own.
@@ -655,23 +696,36 @@ def train_members(trainer: StackedTrainer, members: Sequence[Member], seed: int,
     """
     start = time.perf_counter()
     n = trainer.n_params
+    in_place = are_rows(trainer.flats, [m.flat for m in members])
     trainer.optimizer.set_rows([m.opt.param_groups[0] for m in members])  # each member's own lr, momentum, ... (PBT)
     with torch.no_grad():
         for r, m in enumerate(members):
-            trainer.flats[r].copy_(m.flat[:n])
+            if not in_place:
+                trainer.flats[r].copy_(m.flat[:n])
             _state_in(trainer.optimizer, r, m)
     results = trainer.train_unit([m.x for m in members], [m.y for m in members], [m.rank for m in members],
                                  seed, t, steps=steps, group_size=group_size, across=across)
     with torch.no_grad():
         for r, m in enumerate(members):
-            m.flat[:n].copy_(trainer.flats[r])
-            _state_out(trainer.optimizer, r, m)
+            if not in_place:
+                m.flat[:n].copy_(trainer.flats[r])
+            _state_out(trainer.optimizer, r, m, bind=in_place)
     share = (time.perf_counter() - start) / max(len(members), 1)
     return [(res, share) for res in results]
 
 
+def are_rows(stacked: torch.Tensor, flats: Sequence[torch.Tensor]) -> bool:
+    """Whether ``flats`` are the rows of ``stacked`` (R, F), in order, each whole: then a stacked step on
+    ``stacked`` is a step on them, with nothing to copy."""
+    if stacked.ndim != 2 or len(flats) != stacked.shape[0]:
+        return False
+    return all(f.numel() == stacked.shape[1] and f.is_contiguous() and f.data_ptr() == stacked[r].data_ptr()
+               for r, f in enumerate(flats))
+
+
 def _state_in(stacked: StackedOptimizer, r: int, m: Member) -> None:
-    """Member r's torch.optim state into the stacked rows (none yet: its first step starts it, as torch's)."""
+    """Member r's torch.optim state into the stacked rows (none yet: its first step starts it, as torch's); a
+    moment that already is a view of its row (``_state_out`` with ``bind``) is not copied."""
     sgd = stacked.cfg.optimizer == "sgd"
     params = list(m.model.parameters())
     states = [m.opt.state.get(p) for p in params]
@@ -681,18 +735,18 @@ def _state_in(stacked: StackedOptimizer, r: int, m: Member) -> None:
     for st, o, p in zip(states, stacked.offsets, params):
         k = p.numel()
         assert st is not None
-        if sgd:
-            stacked.momentum[r, o: o + k].copy_(st["momentum_buffer"].reshape(-1))
-        else:
-            assert stacked.second is not None
-            stacked.momentum[r, o: o + k].copy_(st["exp_avg"].reshape(-1))
-            stacked.second[r, o: o + k].copy_(st["exp_avg_sq"].reshape(-1))
+        for key, dst in _moments(stacked, sgd).items():
+            row = dst[r, o: o + k]
+            if st[key].data_ptr() != row.data_ptr():
+                row.copy_(st[key].reshape(-1))
+        if not sgd:
             stacked.step[r] = float(st["step"])
     stacked.has_state[r] = True
 
 
-def _state_out(stacked: StackedOptimizer, r: int, m: Member) -> None:
-    """The stacked optimizer's rows back into member r's torch.optim state, in torch's own keys and types."""
+def _state_out(stacked: StackedOptimizer, r: int, m: Member, *, bind: bool = False) -> None:
+    """The stacked optimizer's rows back into member r's torch.optim state, in torch's own keys and types: as
+    copies, or (``bind``: the member's weights are the trainer's rows) as views of its rows, copied no more."""
     if not bool(stacked.has_state[r]):
         return
     sgd = stacked.cfg.optimizer == "sgd"
@@ -701,14 +755,21 @@ def _state_out(stacked: StackedOptimizer, r: int, m: Member) -> None:
     for p, o in zip(m.model.parameters(), stacked.offsets):
         k = p.numel()
         st = m.opt.state[p]
-        rows = {"momentum_buffer": stacked.momentum} if sgd else {"exp_avg": stacked.momentum,
-                                                                  "exp_avg_sq": stacked.second}
-        for key, src in rows.items():
-            assert src is not None
+        for key, src in _moments(stacked, sgd).items():
             value = src[r, o: o + k].view_as(p)
-            if st.get(key) is None:
+            if bind:
+                st[key] = value
+            elif st.get(key) is None:
                 st[key] = value.clone()
             else:
                 st[key].copy_(value)
         if not sgd:
             st["step"] = torch.tensor(float(stacked.step[r]), dtype=torch.float32)
+
+
+def _moments(stacked: StackedOptimizer, sgd: bool) -> Dict[str, torch.Tensor]:
+    """The stacked moments under torch.optim's keys."""
+    if sgd:
+        return {"momentum_buffer": stacked.momentum}
+    assert stacked.second is not None
+    return {"exp_avg": stacked.momentum, "exp_avg_sq": stacked.second}

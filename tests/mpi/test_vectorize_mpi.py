@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers.mpi import Job, run_batch
+from tests.helpers.mpi import Job, run_batch, tiny_batch
 
 pytestmark = pytest.mark.timeout(600)
 POP = ["world_size=8", "train.budget=20"]
@@ -39,3 +39,32 @@ def test_stacked_training_equals_the_sequential_path_within_rounding(tiny_config
         assert q["test_loss"] == pytest.approx(r["test_loss"], rel=1e-3)
     assert res["refused"].returncode == 2
     assert "train.vectorize=on cannot apply with examples.track" in res["refused"].stdout + res["refused"].stderr
+
+
+def test_a_stacked_population_resumes_bitwise_on_another_number_of_processes(tmp_path_factory):
+    """Replicas trained as rows of their process's block (engine/replica/block.py), checkpointed as one file per
+    process (engine/state/blocks.py): 8 on 2 processes, cut at the checkpoint of t=20 of 30 and resumed on 4 (two
+    rows per block, each process reading the half of a block it needs) end with the uninterrupted run's bits."""
+    import hashlib
+    import shutil
+
+    from communities.engine.state import checkpoint
+
+    stacked = ["world_size=8", "train.vectorize=on", "train.budget=30", "checkpoint.every=10",
+               "checkpoint.at_end=false", "merge.optimizer_state=average"]
+    ref = tiny_batch(tmp_path_factory, "stacked2", 2, {"reference": stacked})
+    latest = checkpoint.latest(ref["reference"] / "checkpoints")
+    assert latest is not None and latest.name == "u00000020"
+    assert sorted(p.name for p in latest.glob("*.pt")) == ["block00000.pt", "block00004.pt"]
+    root = tmp_path_factory.mktemp("stacked4")
+    cut = root / "resumed" / "tiny"
+    shutil.copytree(ref["reference"], cut)
+    for product in ("summary.json", "consensus.pt"):
+        (cut / product).unlink()
+    meta = cut / "meta.json"
+    meta.write_text(meta.read_text().replace('"complete"', '"interrupted"'))
+    res = run_batch(4, {"resumed": Job(ref.config, root / "resumed", stacked, extra=["--resume"])}, check=False)
+    assert res["resumed"].returncode == 0, res["resumed"].stderr[-3000:]
+    assert "resuming" in res["resumed"].stdout
+    sha = [hashlib.sha256((d / "consensus.pt").read_bytes()).hexdigest() for d in (ref["reference"], cut)]
+    assert sha[0] == sha[1]

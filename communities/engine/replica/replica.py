@@ -27,7 +27,7 @@ from ...workload import models, train, vectorized
 from ...workload.private import DPPlan, PrivateGradient, check_model, plan, require_opacus
 from ..faults import NoFaults
 from ..timer import Timer
-from . import stacked
+from . import block, stacked
 from .data import ReplicaData, load_replica_data
 from .examples import ExampleTracker
 from .group import GroupMember
@@ -56,6 +56,7 @@ class Replica:
     opt: torch.optim.Optimizer
     tracker: Optional[ExampleTracker]  # examples.track: which examples each unit trains on
     vectorized: bool  # train.vectorize: the replicas of this process train as one stacked model
+    rows: Optional[torch.Tensor]  # vectorized: the process's (R, F) block whose row ``flat`` is (block.py)
     # training progress, what a partner is told at an exchange and what the summary reports
     samples: int
     recent_loss: float
@@ -75,10 +76,10 @@ class Replica:
     def __init__(self, cfg: "Config", world: WorldView, device: torch.device, *, timer: Timer, faults: NoFaults,
                  placed: ReplicaData, model: torch.nn.Module, flat: torch.Tensor, n_params: int,
                  tracker: Optional[ExampleTracker], vectorized: bool = False, dp: Optional[DPPlan] = None,
-                 groups: Optional["GroupWorld"] = None):
+                 groups: Optional["GroupWorld"] = None, rows: Optional[torch.Tensor] = None):
         self.cfg, self.world, self.device, self.timer, self.faults = cfg, world, device, timer, faults
         self.rank, self.data, self.tracker, self.vectorized = world.rank, placed, tracker, vectorized
-        self.model, self.flat, self.n_params = model, flat, n_params
+        self.model, self.flat, self.n_params, self.rows = model, flat, n_params, rows
         self.opt = train.make_optimizer(cfg.train, model.parameters())
         self.samples = 0
         self.recent_loss = self.first_loss = self.test_acc = self.test_loss = float("nan")
@@ -137,12 +138,14 @@ class Replica:
         elif groups is not None:  # a group is one model: its lead's initial weights
             groups.intra.bcast_(flat, groups.lead_member)  # (GroupMember.share_initial, before the replica exists)
         vectorized = on_every_rank(world, lambda: _stacked(cfg, world, model, placed))
+        placed_rows = block.onto_row(world, model, flat) if vectorized else None  # trained in place, as rows
+        rows, flat = placed_rows if placed_rows is not None else (None, flat)
         dp = on_every_rank(world, lambda: _dp_plan(cfg, model, placed))
         if dp is not None and world.leads:
             _announce(cfg, dp)
         torch.manual_seed(cfg.seed * 104729 + world.rank)  # dropout and other stochastic layers
         return cls(cfg, world, device, timer=timer, faults=faults, placed=placed, model=model, flat=flat,
-                   n_params=n_params, tracker=tracker, vectorized=vectorized, dp=dp, groups=groups)
+                   n_params=n_params, tracker=tracker, vectorized=vectorized, dp=dp, groups=groups, rows=rows)
 
     def adopt(self, ranks: List[int]) -> None:
         """comm.lost_shard adopt: train on the shards of lost ``ranks`` too (appended to this rank's own)."""
@@ -250,7 +253,7 @@ class Replica:
         """The model holds ``weights`` inside the block, this rank's own again after it (an error too); with
         ``fresh_optimizer`` the optimizer starts the block with no state and gets its own back after it."""
         saved = self.flat.clone()
-        saved_opt = copy.deepcopy(self.opt.state_dict()) if fresh_optimizer else None
+        saved_opt = copy.deepcopy(self.optimizer_state()) if fresh_optimizer else None
         self.flat.copy_(weights)
         if fresh_optimizer:
             self.opt.state.clear()
@@ -287,9 +290,16 @@ class Replica:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def optimizer_state(self) -> dict:
+        """The optimizer's state dict, its tensors this replica's own: trained as rows, its moments are views of
+        the process's stacked ones, which a copy or a save would otherwise carry whole (block.py)."""
+        state = self.opt.state_dict()
+        return state if self.rows is None else block.compact_optimizer_state(state)
+
     def state_dict(self) -> dict:
         return {
-            "flat": self.flat.detach().cpu().clone(), "optimizer": self.opt.state_dict(),
+            "flat": self.flat.detach().cpu().clone(),
+            "optimizer": self.optimizer_state(),
             "torch_rng": torch.get_rng_state(),
             "outer_m": self.outer.m.detach().cpu().clone() if self.outer is not None else None,
             "anchor": self.anchor.detach().cpu().clone() if self.anchor is not None else None,

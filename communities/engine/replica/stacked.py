@@ -54,10 +54,13 @@ def train_together(replica: Any, t: int, steps: Optional[int]) -> train.UnitResu
 
 
 def trainer(replica: Any, count: int) -> StackedTrainer:
-    """The process's stacked model for ``count`` replicas (built once, by the first replica that asks)."""
+    """The process's stacked model for ``count`` replicas (built once, by the first replica that asks): on the
+    process's block of replica rows (``block.py``), which it then trains in place, where it has ``count`` rows."""
     r = replica
+    rows = r.rows if r.rows is not None and r.rows.shape[0] == count else None
     return r.world.shared(("stacked trainer", count), lambda: StackedTrainer(
-        r.model, torch.zeros((count, r.n_params), dtype=r.flat.dtype), r.cfg.train, name=r.cfg.model.name))
+        r.model, torch.zeros((count, r.n_params), dtype=r.flat.dtype) if rows is None else rows, r.cfg.train,
+        name=r.cfg.model.name))
 
 
 def evaluate_together(replica: Any, t: int, m: Optional[int]) -> Tuple[float, float]:

@@ -10,6 +10,7 @@ digest, which the ranks allgather to prove they agree.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -22,6 +23,7 @@ from ...core.protocol import RunningDigest, digest
 from ...errors import ConfigError
 from ...runtime.collective import on_every_rank
 from ...runtime.view import WorldView
+from ...workload.vectorized import are_rows
 from ..replica.replica import Replica
 from ..timer import Timer
 
@@ -53,6 +55,27 @@ class _WeightSignature:
 
     def row(self, replica: Replica) -> np.ndarray:
         return self.signer(replica.outgoing()[: self.n_params])
+
+    def row_together(self, replica: Replica) -> np.ndarray:
+        """``row``, computed for all the replicas of the process at once (``world.together``): one sketch of their
+        (R, P) rows (the process's block itself where they are its rows), the same bits as R calls of ``row``;
+        waited for as idle, each replica's share counted as signature time."""
+        n, r = self.n_params, replica
+
+        def sign_all(items: List[tuple]) -> list:
+            start = time.perf_counter()
+            flats = [f for f, _ in items]
+            rows = r.rows if r.rows is not None and r.rows.shape[1] == n and are_rows(r.rows, flats) else \
+                torch.stack(flats)
+            raw = self.signer.sketch.many(rows).numpy()
+            out = [(raw[i] - signer.reference).astype(np.float32) for i, (_, signer) in enumerate(items)]
+            share = (time.perf_counter() - start) / max(len(items), 1)
+            return [(row, share) for row in out]
+
+        with r.timer("idle"):
+            sig, seconds = r.world.together(("signatures",), (r.outgoing()[:n], self.signer), sign_all)
+        r.timer.reassign(seconds, "idle", "signature")
+        return sig
 
     def distances(self, S: np.ndarray) -> Optional[np.ndarray]:
         return None
@@ -108,6 +131,9 @@ class SignatureRounds:
         self.cfg, self.world, self.timer, self.replica, self.agreement = cfg, world, timer, replica, agreement
         kind = _FunctionSignature if cfg.signature.kind in probe.KINDS else _WeightSignature
         self.signature = kind(cfg, world, replica)
+        # replicas trained as rows of one block (train.vectorize, each its own model) sign as one
+        self.together = isinstance(self.signature, _WeightSignature) and replica.rows is not None and \
+            replica.group is None
         # BLAS distances only where every rank runs the same kernels; else pdist, the same bits on any CPU
         self.fast_distances = len(set(world.allgather_text(clustering.blas_fingerprint()))) == 1
         planted = replica.data.groups  # (with train.group_size > 1: each group's lead's)
@@ -164,7 +190,11 @@ class SignatureRounds:
 
     def _gather(self, t: int) -> Optional[np.ndarray]:
         with self.timer("signature"):
-            sig = self.signature.row(self.replica)
+            if self.together:
+                assert isinstance(self.signature, _WeightSignature)
+                sig = self.signature.row_together(self.replica)
+            else:
+                sig = self.signature.row(self.replica)
         self.replica.faults.in_round(t)
         with self.timer("idle"):
             if not self.cfg.signature.overlap:

@@ -23,7 +23,7 @@ import io
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -33,6 +33,7 @@ from ...manifest import COMPLETE, LATEST, complete_dirs, entry, mismatch, rank_f
 from ...results import atomic_write_bytes, atomic_write_json, disk_error
 from ...runtime.collective import on_every_rank
 from ...runtime.view import WorldView
+from . import blocks
 
 __all__ = ["COMPLETE", "LATEST", "VERSION", "Checkpointer", "commit", "latest", "load_rank", "rank_file",
            "read_info", "save_rank", "step_dir", "verify_own"]
@@ -61,6 +62,13 @@ def save_rank(directory: Path, rank: int, state: dict, full: bool = False) -> di
     return entry(data)
 
 
+def _deserialize(data: bytes) -> dict:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, bad pickle opcodes, ...
+        raise ResultsError(f"damaged checkpoint block ({type(exc).__name__}: {exc})") from None
+
+
 def load_rank(directory: Path, rank: int, data: Optional[bytes] = None) -> dict:
     """One rank's state (from ``data``, the file's bytes already read and checked, when given)."""
     path = rank_file(directory, rank)
@@ -74,16 +82,24 @@ def load_rank(directory: Path, rank: int, data: Optional[bytes] = None) -> dict:
         raise ResultsError(f"{path}: damaged checkpoint file ({type(exc).__name__}: {exc})") from None
 
 
-def verify_own(directory: Path, rank: int) -> Tuple[str, Optional[bytes], bool]:
+def verify_own(directory: Path, rank: int, shared: Optional[Callable[[Hashable, Callable[[], str]], str]] = None
+               ) -> Tuple[str, Optional[bytes], bool]:
     """Check this rank's file against the manifest: (problem or "", its bytes when intact, whether it was checked).
 
-    A checkpoint written before manifests existed cannot be checked: its bytes are returned unchecked.
+    A checkpoint written before manifests existed cannot be checked: its bytes are returned unchecked. A rank
+    whose state is in its process's block (blocks.py) gets no bytes (the load reads and checks the block); the
+    block is checked once per process through ``shared`` (``world.shared``) where given.
     """
     path = rank_file(directory, rank)
     try:
         info = read_info(directory)
     except ResultsError as exc:
         return str(exc), None, False
+    held = blocks.holder(info, directory, rank)
+    if held != path:
+        def check() -> str:
+            return blocks.verify(held, (info.get("files") or {}).get(held.name))
+        return (check() if shared is None else shared(("checked block", str(held)), check)), None, True
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -155,7 +171,9 @@ class Checkpointer:
             t = int(world.allreduce_scalar(float(t), "max"))
         directory = step_dir(self.root, t)
         earlier = self._failure()
-        if earlier is not None:
+        if len(world.process_block) > 1:  # a population: the process's replicas in one file (blocks.py)
+            status = self._save_block(directory, own_t, "" if earlier is None else "disk " + str(earlier))
+        elif earlier is not None:
             status = "disk " + str(earlier)
         else:
             try:
@@ -175,11 +193,11 @@ class Checkpointer:
             self.faults.in_checkpoint(t)
         problem = ""
         if world.leads:
-            files = {rank_file(directory, r).name: json.loads(s[3:]) for r, s in enumerate(statuses)
-                     if world.alive[r]}  # (fault_tolerance shrink: the survivors' files)
+            files, ranks = blocks.manifest(statuses, world.alive)  # (fault_tolerance shrink: the survivors' files)
             try:
                 commit(self.root, t, {"version": VERSION, "t": t, "final": final, "world_size": world.size,
-                                      **self._info(), "config": self.cfg.model_dump(), "files": files},
+                                      **self._info(), "config": self.cfg.model_dump(), "files": files,
+                                      **({"ranks": ranks} if ranks else {})},
                        keep=self.cfg.checkpoint.keep)
             except OSError as exc:
                 problem = _failures([(0, str(disk_error(directory / COMPLETE, exc)))], t)
@@ -188,13 +206,31 @@ class Checkpointer:
         if problem:
             raise collective(DiskError(problem))
 
+    def _save_block(self, directory: Path, own_t: int, failed: str) -> str:
+        """This replica's state written with its process's others, as one file (``blocks.write``); its status."""
+        world = self.world
+        state = {"version": VERSION, "rank": world.rank, "world_size": world.size, "t": own_t,
+                 "parts": {name: part.state_dict() for name, part in self.parts.items()}}
+
+        def write(items: List[tuple]) -> List[str]:
+            return blocks.write(directory, items, world_size=world.size, serialize=serialize)
+
+        return world.together(("checkpoint", own_t), (world.rank, state, failed, self.full), write)
+
     def load(self, directory: Path, data: Optional[bytes] = None) -> int:
         """Load this rank's file into every part (a collective); returns the unit it was written after."""
         rank, n = self.world.rank, self.world.size
 
         def read() -> dict:
-            saved = load_rank(directory, rank, data)
             path = rank_file(directory, rank)
+            held = blocks.holder(read_info(directory), directory, rank)
+            if held == path:
+                saved = load_rank(directory, rank, data)
+            else:  # in a block: read and checked once per process, each replica takes its own state
+                expected = (read_info(directory).get("files") or {}).get(held.name)
+                saved = self.world.shared(("checkpoint block", str(held)),
+                                          lambda: blocks.Block(held, expected, _deserialize)).take(rank)
+                path = held
             if not isinstance(saved, dict) or saved.get("version") != VERSION or saved.get("rank") != rank \
                     or saved.get("world_size") != n:
                 got = saved if isinstance(saved, dict) else {}

@@ -157,7 +157,7 @@ class RunDirectory:
         w = self.world
         damaged: List[Tuple[str, str]] = []
         for name in names:
-            problem, data_, checked = checkpoint.verify_own(self.checkpoints / name, w.rank)
+            problem, data_, checked = checkpoint.verify_own(self.checkpoints / name, w.rank, w.shared)
             said = w.allgather_text(problem, width=1024)
             bad = [(r, m) for r, m in enumerate(said) if m]
             if not bad:
