@@ -137,6 +137,21 @@ def test_compare_rejects_bad_specs_before_running_anything(tmp_path, tiny_config
         spec_from_dict({"name": "x", "base": "b.yaml", "strategies": ["ring"], "seeds": [-1]})
 
 
+def test_cases_are_picked_by_their_exact_name(capsys):
+    """``--cases iid_64`` is the case iid_64 only, not also first_iid_64 (whose results name ends the same)."""
+    from pathlib import Path
+
+    spec = str(Path(__file__).resolve().parents[2] / "configs" / "compare" / "calibration.yaml")
+    assert compare.main_compare([spec, "--cases", "iid_64", "--dry-run", "--results-root", "/nonexistent"]) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert runs and all(line.startswith("# calibration_iid_64_") for line in runs), runs
+    assert compare.main_compare([spec, "--cases", "calibration_first_iid_64", "--dry-run",
+                                 "--results-root", "/nonexistent"]) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert runs and all(line.startswith("# calibration_first_iid_64_") for line in runs), runs
+    assert compare.main_compare([spec, "--cases", "first", "--dry-run"]) == 2
+
+
 def test_launcher_prefixes():
     assert launcher_argv(4, "srun --mpi=pmix -n {n}") == ["srun", "--mpi=pmix", "-n", "4"]
     assert launcher_argv(3, ["srun", "--mpi=pmi2"]) == ["srun", "--mpi=pmi2", "-n", "3"]

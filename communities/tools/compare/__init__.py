@@ -26,7 +26,7 @@ from .curves import finite
 from .markdown import write_markdown
 from .plots import write_plots
 from .runs import RunPlan, execute, launcher_argv, plan_runs, run_complete, validate
-from .spec import Spec, SpecError, load_specs
+from .spec import Spec, SpecError, load_specs, spec_name
 from .tables import fmt, plain, strategy_rows, summary_columns
 
 
@@ -69,13 +69,15 @@ def main_compare(argv: Optional[List[str]] = None) -> int:
     except SpecError as exc:
         print(f"communities compare: error: {exc}", file=sys.stderr)
         return EXIT_USER
-    if args.cases:  # a multi-case spec: only these cases (named as in results/<spec>_<case>/)
+    if args.cases:  # a multi-case spec: only these cases (named as in results/<spec>_<case>/, or that name whole)
         names = {s.name for s in specs}
-        missing = sorted({c for c in args.cases if c not in names and not any(n.endswith(f"_{c}") for n in names)})
+        base = f"{spec_name(args.spec)}_"  # a case is exactly its name past "<spec>_"
+        wanted = {c if c in names else base + c for c in args.cases}
+        missing = sorted(c for c in args.cases if (c if c in names else base + c) not in names)
         if missing:
             print(f"communities compare: error: --cases {missing}: not among {sorted(names)}", file=sys.stderr)
             return EXIT_USER
-        specs = [s for s in specs if s.name in args.cases or any(s.name.endswith(f"_{c}") for c in args.cases)]
+        specs = [s for s in specs if s.name in wanted]
     rc = 0
     for spec in specs:
         rc = max(rc, compare_one(spec, args))

@@ -332,6 +332,14 @@ def load_spec(path: Union[str, Path]) -> Spec:
     return specs[0]
 
 
+def spec_name(path: Union[str, Path]) -> str:
+    """The ``name`` a spec file gives (its cases' results are ``<name>_<case>``), read as ``load_specs`` reads it."""
+    from ...config import read_yaml
+
+    raw = read_yaml(Path(path), what="spec")
+    return str(raw.get("name")) if isinstance(raw, dict) else ""
+
+
 def load_specs(path: Union[str, Path]) -> List[Spec]:
     """The specs of a file: one, or one per entry of its ``cases`` (``Case``: e.g. one per dataset)."""
     from ...config import ConfigError, read_yaml
