@@ -136,26 +136,22 @@ class NullDraws:
 
     Why: the axis variances are set from the first draws' spectra (``variances``) before every draw is reduced to
     its top scores (``scores``); a draw scaled by axis variances ``var`` is its centred units times ``sqrt(var)``
-    (centring commutes with scaling the columns), so the Gram matrices of the units are formed once and each
+    (centring commutes with scaling the columns), so the (m, m) Gram matrices of the units are formed once, each
     scaling is an element-wise product, and the eigensolves of all draws run as one stacked call.
     """
 
     def __init__(self, n: int, m: int, *, seed: int, t: int, draws: int, null: str = "uniform"):
+        if m > n:
+            raise ValueError(f"{m} axes among {n} rows: the rows span at most n - 1 axes once centred")
         units = np.stack([_unit_scores(n, m, seed, t, b, null=null) for b in range(draws)])
         self.centred = units - units.mean(axis=1, keepdims=True)  # (B, n, m)
-        self.tall = m <= n  # the smaller Gram matrix: (m, m) of the axes, or (n, n) of the rows
-        self.gram = np.zeros(0)
-        if self.tall:
-            with one_blas_thread():
-                self.gram = np.matmul(self.centred.transpose(0, 2, 1), self.centred)
+        with one_blas_thread():  # (B, m, m): the smaller Gram matrix, as the rows span at most n - 1 axes
+            self.gram = np.matmul(self.centred.transpose(0, 2, 1), self.centred)
         self.n = n
 
     def _grams(self, var: np.ndarray, count: int) -> np.ndarray:
         root = np.sqrt(var)
-        if self.tall:
-            return self.gram[:count] * np.outer(root, root)
-        with one_blas_thread():
-            return np.matmul(self.centred[:count] * var, self.centred[:count].transpose(0, 2, 1))
+        return self.gram[:count] * np.outer(root, root)
 
     def spectra(self, var: np.ndarray, count: int) -> np.ndarray:
         """(count, m'): the principal variances of the first ``count`` draws on axes ``var``, largest first."""
@@ -190,14 +186,11 @@ class NullDraws:
         r = min(r, k)
         with one_blas_thread():
             if k <= 128:  # one stacked full solve; past that a partial solve per draw is cheaper
-                w, V = np.linalg.eigh(G)
+                V = np.linalg.eigh(G)[1]
             else:
-                pairs = [linalg.eigh(g, subset_by_index=[k - r, k - 1]) for g in G]
-                w, V = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
-            w, V = np.maximum(w[:, ::-1][:, :r], 0.0), V[:, :, ::-1][:, :, :r]
-            if self.tall:
-                return np.matmul(self.centred * np.sqrt(var), V)
-        return V * np.sqrt(w)[:, None, :]
+                V = np.stack([linalg.eigh(g, subset_by_index=[k - r, k - 1])[1] for g in G])
+            V = V[:, :, ::-1][:, :, :r]
+            return np.matmul(self.centred * np.sqrt(var), V)
 
 
 def null_variances(s: np.ndarray, n: int, seed: int, t: int, *, draws: int, null: str = "uniform",
