@@ -42,6 +42,18 @@ def test_one_file_per_process_and_a_rank_map(tmp_path):
         block.take(1)
 
 
+def test_a_post_hoc_reader_finds_each_rank_in_its_block_or_its_own_file(tmp_path):
+    """``load_rank`` without bytes needs no layout: a population's rank comes out of its block, checked."""
+    d, _, _ = _checkpoint(tmp_path)
+    for r in range(6):
+        assert torch.equal(checkpoint.load_rank(d, r)["parts"]["replica"]["flat"], torch.full((5,), float(r)))
+    data = bytearray((d / "block00000.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / "block00000.pt").write_bytes(bytes(data))
+    with pytest.raises(ResultsError, match="block00000.pt: damaged checkpoint file"):
+        checkpoint.load_rank(d, 2)
+
+
 def test_a_block_is_checked_once_per_process_and_its_ranks_get_no_bytes(tmp_path):
     d, _, _ = _checkpoint(tmp_path)
     memo, computed = {}, []

@@ -70,8 +70,17 @@ def _deserialize(data: bytes) -> dict:
 
 
 def load_rank(directory: Path, rank: int, data: Optional[bytes] = None) -> dict:
-    """One rank's state (from ``data``, the file's bytes already read and checked, when given)."""
+    """One rank's state (from ``data``, the file's bytes already read and checked, when given).
+
+    Without ``data`` the state is found wherever the checkpoint holds it: in the rank's own file, or in its
+    process's block (a population), checked against the manifest; so a post-hoc reader needs no layout.
+    """
     path = rank_file(directory, rank)
+    if data is None and (Path(directory) / COMPLETE).exists():
+        info = read_info(directory)
+        held = blocks.holder(info, directory, rank)
+        if held != path:
+            return blocks.Block(held, (info.get("files") or {}).get(held.name), _deserialize).take(rank)
     try:
         if data is None:
             data = path.read_bytes()
