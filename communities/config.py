@@ -725,7 +725,8 @@ class PbtConfig(_Section):
         default_factory=dict, description="replicas that start from given values instead of a draw, e.g. {0: "
         "{train.lr: 0.1}} (a value from an earlier sweep); any value the config field allows, in range or not")
     ready: int = Field(4, ge=1, description="units a replica trains with its hyperparameters before it may adopt "
-                       "new ones (PBT's ready)")
+                       "new ones (PBT's ready); under truncation selection runs at signature rounds only, so a "
+                       "ready at or under signature.every changes nothing")
     factors: List[float] = Field(default_factory=lambda: [0.8, 1.25], min_length=1, description="explore: each "
                                  "adopted value is multiplied by one of these, drawn uniformly, then kept in range")
     resample: float = Field(0.0, ge=0, le=1, description="explore: the probability that a value is drawn afresh "
