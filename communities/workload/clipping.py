@@ -152,7 +152,7 @@ class GhostClipper(Clipper):
             if ghost.handles(module):
                 a, g = ghost.layer_view(module, acts, grad_out, n)
                 bias = module.bias is not None and module.bias.requires_grad
-                per_layer.append(ghost.squared_norms(a, g, bias=bias))
+                per_layer.append(ghost.squared_norms(a, g, bias=bias, weight=module.weight.requires_grad))
                 kept.append((module, a, g, None))
             else:
                 samples = self._grad_samplers[type(module)](module, list(acts), grad_out)

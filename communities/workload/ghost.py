@@ -78,20 +78,22 @@ def gram_is_cheaper(t: int, d_in: int, d_out: int) -> bool:
     return t * (d_in + d_out) <= d_in * d_out
 
 
-def squared_norms(a: torch.Tensor, g: torch.Tensor, *, bias: bool) -> torch.Tensor:
-    """Each example's squared gradient norm of one layer (its weight's, plus its bias's when ``bias``), from the
-    ``layer_view`` pair, without per-example gradients where that is cheaper; float32 of shape (B,)."""
-    if a.dim() == 2:
-        g_sq = torch.linalg.vecdot(g, g)
-        sq = torch.linalg.vecdot(a, a) * g_sq
-        return sq + g_sq if bias else sq
+def _weight_squared_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    if a.dim() == 2:  # the ghost norm
+        return torch.linalg.vecdot(a, a) * torch.linalg.vecdot(g, g)
     t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
     if gram_is_cheaper(t, d_in, d_out):
-        sq = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2)).clamp_min(0)
-    else:
-        sq = torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2)).clamp_min(0)
+    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+
+
+def squared_norms(a: torch.Tensor, g: torch.Tensor, *, bias: bool, weight: bool = True) -> torch.Tensor:
+    """Each example's squared gradient norm of one layer (its weight's when ``weight``, plus its bias's when
+    ``bias``: the parameters trained), from the ``layer_view`` pair, without per-example gradients where that is
+    cheaper; float32 of shape (B,)."""
+    sq = _weight_squared_norms(a, g) if weight else torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
     if bias:
-        s = g.sum(1)
+        s = g if g.dim() == 2 else g.sum(1)
         sq = sq + torch.linalg.vecdot(s, s)
     return sq
 

@@ -97,3 +97,14 @@ def test_total_norms_add_the_layers_in_float64_and_scale():
     sq = [torch.tensor([9.0, 16.0]), torch.tensor([16.0, 9.0])]
     total = ghost.total_norms(sq, 2.0)
     assert total.dtype == torch.float64 and torch.equal(total, torch.tensor([10.0, 10.0], dtype=torch.float64))
+
+
+def test_a_frozen_weight_or_bias_is_left_out_of_the_norm():
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4)
+    x = torch.randn(9, 3, 6)
+    per = _per_example(layer, x)  # weight (24 entries), then bias (4)
+    a, g = _view(layer, x)
+    assert torch.allclose(ghost.squared_norms(a, g, bias=True, weight=False).double(), per[:, 24:].square().sum(1),
+                          rtol=1e-5)
+    assert torch.allclose(ghost.squared_norms(a[:, 0], g[:, 0], bias=False, weight=False), torch.zeros(9))

@@ -402,3 +402,30 @@ def test_a_linear_layer_on_a_4d_input_counts_in_the_norms():
     assert torch.allclose(dp.norms(x, y), want, rtol=1e-5)
     assert float((_clipped(Grid(), x, y, float(want.median()), "ghost") - _clipped(
         Grid(), x, y, float(want.median()), "vmap")).abs().max()) <= 1e-6
+
+
+def test_ghost_leaves_a_frozen_weight_out_of_the_norms():
+    """As Opacus does: only the parameters that train have per-example gradients to clip."""
+    import warnings
+
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    def frozen():
+        model = _model(seed=3)
+        model[1].weight.requires_grad_(False)  # its bias still trains
+        return model
+
+    x, y = _batch(20, seed=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = GradSampleModule(frozen())
+        opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=0.2,
+                          expected_batch_size=20)
+        F.cross_entropy(module(x), y).backward()
+        opt.pre_step()
+    theirs = torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.requires_grad])
+    model = frozen()
+    _clipped(model, x, y, 0.2, "ghost")
+    mine = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert float((mine - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max())
