@@ -663,12 +663,13 @@ class PrivacyConfig(_Section):
         False, description="write each replica's training loss and accuracy on its shard to metrics.jsonl; they "
         "are not noised, and rank 0 gathers them (off: null there, and no partner is told a loss)")
     per_example: Literal["auto", "ghost", "hooks", "vmap"] = Field(
-        "auto", description="how the clipped sum of per-example gradients is computed: ghost (ghost clipping: Linear "
-        "layers' norms without their per-example gradients, Opacus's per-example gradients for other layers, one "
-        "backward), hooks (Opacus's per-example gradients for every layer, one backward), vmap (torch.func, any "
-        "model it can trace, two passes); auto: ghost when Opacus takes every layer with parameters, else vmap "
-        "(communities bench privacy); the gradient applied is the same within rounding, and the plain step's bit "
-        "for bit when no bound binds")
+        "auto", description="how the clipped sum of per-example gradients is computed: ghost (ghost clipping and "
+        "book-keeping: Linear and Conv1d layers' norms and clipped sum from their inputs and output gradients, "
+        "without per-example gradients or a second backward; Opacus's per-example gradients for other layers; one "
+        "backward), hooks (Opacus's per-example gradients for every layer, one backward; refuses a convolution "
+        "that pads other than with zeros), vmap (torch.func, any model it can trace, two passes); auto: ghost when "
+        "it takes every layer with parameters, else vmap (communities bench privacy); the gradient applied is the "
+        "same within rounding, and the plain step's bit for bit when no bound binds")
 
     @model_validator(mode="after")
     def _one_noise(self):

@@ -4,23 +4,24 @@ Every way leaves the same thing in the parameters' ``.grad`` (equal within
 rounding, to each other and to Opacus's own step), and the first two take one
 forward and one backward:
 
-- ``ghost``: ghost clipping. A Linear layer's per-example gradient norm comes
-  from its input and output gradient without the gradient itself, by Opacus's
-  own norm sampler (``||g_i||^2 = ||b_i||^2 ||a_i||^2``, sequences through
-  their Gram matrices); any other layer's from its per-example gradient, by
-  Opacus's grad sampler, kept for the sum. When a factor binds, a Linear
-  layer's clipped sum is one contraction of the kept inputs and output
-  gradients, ``sum_i c_i b_i a_i^T`` ("book-keeping", Bu et al. 2023), where
-  Opacus's fast gradient clipping runs a second backward; other layers sum
-  their kept per-example gradients. The plumbing is a forward hook and a
-  tensor hook per layer, registered for the step only: Opacus's own hooks
-  (``GradSampleHooksFastGradientClipping``) copy each sample into a fresh
-  buffer and need full backward hooks, and measured 1.7x this step's time on
-  the MLP (``communities bench privacy``).
+- ``ghost``: ghost clipping and book-keeping (``ghost.py``). A Linear or Conv1d
+  layer's per-example gradient norms come from its inputs and output gradients
+  kept by a forward hook and a tensor hook (``||g_i||^2 = ||b_i||^2 ||a_i||^2``;
+  sequences and a convolution's unfolded windows through their Gram matrices or
+  the per-example gradient, whichever is cheaper); when a factor binds, the
+  clipped sum is one product of the kept inputs and scaled output gradients,
+  ``sum_i c_i b_i a_i^T`` ("book-keeping", Bu et al. 2023), where Opacus's fast
+  gradient clipping runs a second backward. Any other layer Opacus has a grad
+  sampler for: its per-example gradients, kept for the sum. The hooks are
+  registered for the step only; Opacus's own (``GradSampleHooksFastGradientClipping``)
+  copy each sample into a fresh buffer and need full backward hooks, and
+  measured 1.7x this step's time on the MLP (``communities bench privacy``).
 - ``hooks``: Opacus's ``GradSampleHooks`` (any layer: its functorch fallback
   for the ones it has no sampler for): each example's gradient beside the
   batch's in the one backward; the clipped sum is ``einsum(c, grad_sample)``,
-  as Opacus's ``DPOptimizer`` clips.
+  as Opacus's ``DPOptimizer`` clips. A convolution that pads other than with
+  zeros is refused: Opacus's conv sampler pads with zeros whatever the layer's
+  ``padding_mode`` (wrong per-example gradients).
 - ``vmap``: ``torch.func``'s ``vmap(grad(...))`` for the norms (any model it can
   trace, a pass of its own), then the backward of the clipped loss.
 
@@ -41,6 +42,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
 from ..core import privacy
+from . import ghost
 
 METHODS = ("ghost", "hooks", "vmap")
 
@@ -50,12 +52,21 @@ def trainable_layers(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
-def ghost_supports(model: nn.Module) -> bool:
-    """Whether ``ghost`` can take every layer of ``model``: a Linear, or a layer Opacus has a grad sampler for."""
+def _opacus_samples(module: nn.Module) -> bool:
+    """Whether Opacus's grad sampler gives ``module``'s per-example gradients (its conv samplers pad with zeros
+    whatever the layer's padding mode, so a conv that pads otherwise is not one of them)."""
     from opacus.grad_sample import GradSampleHooks
 
+    if type(module) not in GradSampleHooks.GRAD_SAMPLERS:
+        return False
+    return getattr(module, "padding_mode", "zeros") == "zeros"
+
+
+def ghost_supports(model: nn.Module) -> bool:
+    """Whether ``ghost`` can take every layer of ``model``: a Linear or a Conv1d of one group (ghost norms and
+    book-keeping, ``ghost.py``), or a layer Opacus has a grad sampler for."""
     layers = trainable_layers(model)
-    return bool(layers) and all(type(m) is nn.Linear or type(m) in GradSampleHooks.GRAD_SAMPLERS for m in layers)
+    return bool(layers) and all(ghost.handles(m) or _opacus_samples(m) for m in layers)
 
 
 def _scaled_loss(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, denom: float,
@@ -64,12 +75,9 @@ def _scaled_loss(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, denom: fl
     backward is the plain step's bit for bit when every factor is 1.0."""
     out = model(xb)
     per = F.cross_entropy(out, yb, reduction="none")
-    c = torch.ones_like(per) if factors is None else factors.to(per.dtype)
-    return out, (per * c).sum() / denom
-
-
-def _by_example(factors: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return factors.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+    if factors is None:  # a gradient of exactly 1 / denom per example, as (per * 1.0).sum() / denom gives
+        return out, per.sum() / denom
+    return out, (per * factors.to(per.dtype)).sum() / denom
 
 
 class Clipper:
@@ -95,27 +103,28 @@ class Clipper:
 
 
 class GhostClipper(Clipper):
-    """Ghost norms and book-keeping for Linear layers, Opacus's per-example gradients for the others."""
+    """Ghost norms and book-keeping for Linear and Conv1d layers (``ghost.py``), Opacus's per-example gradients
+    for the others; one forward, one backward."""
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
-        from opacus.grad_sample import GradSampleHooks
-        from opacus.grad_sample.linear import compute_linear_norm_sample
-
         super().__init__(model, max_grad_norm)
         self.layers = trainable_layers(model)
         if not ghost_supports(model):
-            other = sorted({type(m).__name__ for m in self.layers if type(m) is not nn.Linear
-                            and type(m) not in GradSampleHooks.GRAD_SAMPLERS})
-            raise ValueError(f"Opacus has no per-example gradient for {', '.join(other) or 'a model without layers'}")
-        self._norm_sampler = compute_linear_norm_sample
-        self._grad_samplers = GradSampleHooks.GRAD_SAMPLERS
-        self._seen: List[Tuple[nn.Module, List[torch.Tensor], torch.Tensor]] = []
+            other = sorted({type(m).__name__ for m in self.layers if not (ghost.handles(m) or _opacus_samples(m))})
+            raise ValueError("no per-example gradient (ghost.py or Opacus's) for "
+                             f"{', '.join(other) or 'a model without layers'}")
+        self._grad_samplers: Dict[type, Callable] = {}
+        if not all(ghost.handles(m) for m in self.layers):
+            from opacus.grad_sample import GradSampleHooks
+
+            self._grad_samplers = GradSampleHooks.GRAD_SAMPLERS
+        self._seen: List[Tuple[nn.Module, Tuple[torch.Tensor, ...], torch.Tensor]] = []
 
     def _capture(self, module: nn.Module, inputs: Sequence, output) -> None:
         """Forward hook: keep the layer's inputs, and its output's gradient when the backward reaches it."""
         if not (torch.is_tensor(output) and output.requires_grad):
             return
-        acts = [t.detach() for t in inputs if torch.is_tensor(t)]
+        acts = tuple(t.detach() for t in inputs if torch.is_tensor(t))
         output.register_hook(lambda g: self._seen.append((module, acts, g.detach())))
 
     def _pass(self, xb: torch.Tensor, yb: torch.Tensor, denom: float) -> Tuple[torch.Tensor, list]:
@@ -135,20 +144,22 @@ class GhostClipper(Clipper):
         return out, seen
 
     def _norms(self, seen: list, n: int, denom: float) -> Tuple[torch.Tensor, list]:
-        """Per-example norms (times ``denom``), and what each layer keeps for the clipped sum."""
-        sq = torch.zeros(n, dtype=torch.float64)
-        kept = []
-        for module, acts, backprops in seen:
-            if type(module) is nn.Linear:
-                for v in self._norm_sampler(module, acts, backprops).values():
-                    sq += v.double().square()
-                kept.append((module, acts[0].to(backprops.dtype), backprops, None))
+        """Per-example norms (times ``denom``), and what each layer keeps for the clipped sum: its (a, g) pair
+        (``ghost.layer_view``), or Opacus's per-example gradients."""
+        per_layer: List[torch.Tensor] = []
+        kept: List[Tuple[nn.Module, Optional[torch.Tensor], Optional[torch.Tensor], Optional[dict]]] = []
+        for module, acts, grad_out in seen:
+            if ghost.handles(module):
+                a, g = ghost.layer_view(module, acts, grad_out, n)
+                bias = module.bias is not None and module.bias.requires_grad
+                per_layer.append(ghost.squared_norms(a, g, bias=bias, weight=module.weight.requires_grad))
+                kept.append((module, a, g, None))
             else:
-                samples = self._grad_samplers[type(module)](module, acts, backprops)
+                samples = self._grad_samplers[type(module)](module, list(acts), grad_out)
                 for v in samples.values():
-                    sq += torch.linalg.vector_norm(v.reshape(n, -1), dim=1).double().square()
+                    per_layer.append(v.reshape(n, -1).square().sum(1))
                 kept.append((module, None, None, samples))
-        return sq.sqrt() * denom, kept
+        return ghost.total_norms(per_layer, denom), kept
 
     def norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         _, seen = self._pass(xb, yb, 1.0)
@@ -158,18 +169,20 @@ class GhostClipper(Clipper):
         out, seen = self._pass(xb, yb, denom)
         norms, kept = self._norms(seen, len(yb), denom)
         factors = self._factors(norms)
-        if bool((factors < 1).any()):
-            for module, acts, backprops, samples in kept:
-                if samples is None:  # book-keeping: sum_i c_i b_i a_i^T, and sum_i c_i b_i for the bias
-                    cb = backprops * _by_example(factors, backprops)
-                    if module.weight.grad is not None:
-                        module.weight.grad.copy_(torch.einsum("n...i,n...j->ij", cb, acts))
-                    if module.bias is not None and module.bias.grad is not None:
-                        module.bias.grad.copy_(torch.einsum("n...k->k", cb))
-                else:
-                    for p, v in samples.items():
-                        if p.grad is not None:
-                            p.grad.copy_(torch.einsum("i,i...->...", factors.to(v.dtype), v))
+        if not bool((factors < 1).any()):
+            return out  # no factor binds: the backward's own gradient, bit for bit
+        for module, a, g, samples in kept:
+            if samples is None:  # book-keeping: sum_i c_i g_i^T a_i, and sum_i c_i g_i for the bias
+                weight, bias = ghost.clipped_sums(a, g, factors, bias=module.bias is not None
+                                                  and module.bias.grad is not None)
+                if module.weight.grad is not None:
+                    module.weight.grad.copy_(weight.view_as(module.weight.grad))
+                if bias is not None:
+                    module.bias.grad.copy_(bias)
+            else:
+                for p, v in samples.items():
+                    if p.grad is not None:
+                        p.grad.copy_(torch.einsum("i,i...->...", factors.to(v.dtype), v))
         return out
 
 
@@ -181,6 +194,11 @@ class OnePassClipper(Clipper):
         from opacus.grad_sample import GradSampleHooks
 
         super().__init__(model, max_grad_norm)
+        wrong = sorted({f"{type(m).__name__}(padding_mode={m.padding_mode!r})" for m in trainable_layers(model)
+                        if type(m) in GradSampleHooks.GRAD_SAMPLERS and not _opacus_samples(m)})
+        if wrong:
+            raise ValueError(f"Opacus's per-example gradients of {', '.join(wrong)} pad with zeros, not as the layer "
+                             "does (privacy.per_example=ghost or vmap)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.hooks = GradSampleHooks(model, loss_reduction="sum")

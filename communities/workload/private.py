@@ -2,8 +2,8 @@
 
 The clipped sum ``sum_i c_i g_i`` with ``c_i = min(1, C / ||g_i||)`` is
 computed exactly, one of three ways (``privacy.per_example``, the clippers of
-``clipping.py``): Opacus's fast gradient clipping (``ghost``: per-example norms
-without per-example gradients, a second backward only when a factor binds),
+``clipping.py``): ghost clipping with book-keeping (``ghost``: per-example norms
+without per-example gradients, the clipped sum without a second backward),
 Opacus's per-example gradients in one backward (``hooks``), or ``torch.func``
 (``vmap``, for models Opacus cannot take); ``auto`` picks the fastest the
 model's layers allow (``communities bench privacy`` times them against
@@ -83,9 +83,9 @@ def refuse_model(model: nn.Module, name: str) -> None:
 
 
 def per_example_method(model: nn.Module) -> str:
-    """privacy.per_example=auto: ``ghost`` where every layer with parameters is a Linear or a layer Opacus has a
-    per-example gradient for (convolutions, norm layers, embeddings, ...), ``vmap`` otherwise: the fastest the
-    layers allow for the built-in models (``communities bench privacy``)."""
+    """privacy.per_example=auto: ``ghost`` where every layer with parameters is a Linear, a Conv1d of one group or
+    a layer Opacus has a per-example gradient for (other convolutions, norm layers, embeddings, ...), ``vmap``
+    otherwise: the fastest the layers allow for the built-in models (``communities bench privacy``)."""
     return "ghost" if clipping.ghost_supports(model) else "vmap"
 
 
@@ -102,7 +102,7 @@ def check_model(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor, p
         model.zero_grad(set_to_none=True)
     except Exception as exc:  # the user's forward() under vmap or the hooks: one line naming the model
         how = {"vmap": "torch.func (vmap of grad)", "hooks": "Opacus's hooks",
-               "ghost": "ghost clipping (Opacus's norm and grad samplers)"}[method]
+               "ghost": "ghost clipping (ghost norms, book-keeping; Opacus's grad samplers for other layers)"}[method]
         raise ConfigError(f"privacy.enabled=true needs per-example gradients of model.name={name!r} through "
                           f"{how} (privacy.per_example={method}), which raised {type(exc).__name__}: {exc}") from None
     if not bool(torch.isfinite(norms).all()):

@@ -3,6 +3,7 @@ accounting is Opacus's, noiseless unclipped DP-SGD is the plain step bit for bit
 is refused by name."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -109,15 +110,17 @@ def test_epsilon_edges_and_derived_noise_meets_its_target():
 
 
 @pytest.mark.parametrize("per_example", ["vmap", "hooks", "ghost"])
-def test_noiseless_unclipped_dp_sgd_is_the_plain_step_bit_for_bit(per_example):
+@pytest.mark.parametrize("conv", [False, True])
+def test_noiseless_unclipped_dp_sgd_is_the_plain_step_bit_for_bit(per_example, conv):
     x, y = _batch(100, seed=4)
+    build = _conv_model if conv else _model
 
     class Cfg:
         lr, batch_size, unit, steps_per_unit = 0.05, 16, "epoch", 10
 
     results = []
     for private in (False, True):
-        model = _model(seed=9)
+        model = build(seed=9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         dp = PrivateGradient(model, max_grad_norm=1e9, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
                              poisson=False, per_example=per_example) if private else None
@@ -301,3 +304,128 @@ def test_ghost_takes_the_layers_opacus_samples_and_names_a_shared_layer_at_start
 
     with pytest.raises(ConfigError, match="privacy.per_example"):
         check_model(Shared(), "pkg:shared", x, y, "auto")
+
+
+def _builtin(name: str):
+    """The bench's models (``communities bench privacy``): the MLP of 4,810 parameters, the MNIST-1D CNN of 5,210."""
+    from communities.config import ModelConfig
+    from communities.workload import models
+
+    shape = (64,) if name == "mlp" else (40,)
+
+    def build():
+        torch.manual_seed(0)
+        return models.build(ModelConfig.model_validate({"name": name, "hidden": [64]}), shape, 10)
+    return build, shape[0]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn1d"])
+@pytest.mark.parametrize("batch", [16, 64])
+@pytest.mark.parametrize("quantile", [0.25, 0.75])
+def test_the_builtin_models_clipped_gradient_is_opacus_when_some_bounds_bind(name, batch, quantile):
+    """Ghost norms and book-keeping (and the other methods) against Opacus's own step on the bench's models, at a
+    bound that binds for some examples and not for others."""
+    build, features = _builtin(name)
+    g = torch.Generator().manual_seed(batch)
+    x, y = torch.randn(batch, features, generator=g) * 2, torch.randint(0, 10, (batch,), generator=g)
+    model = build()
+    probe = PrivateGradient(model, max_grad_norm=1.0, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                            per_example="ghost")
+    norms = probe.norms(x, y)
+    max_norm = float(norms.quantile(quantile))
+    binds = privacy.clip_factors(norms, max_norm) < 1
+    assert 0 < int(binds.sum()) < batch  # some examples are clipped, some are not
+    theirs = _opacus_clipped_mean(build, x, y, max_norm, batch)
+    for per_example in ("ghost", "hooks", "vmap"):
+        model = build()
+        dp = PrivateGradient(model, max_grad_norm=max_norm, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                             per_example=per_example)
+        dp.backward(x, y, float(batch), torch.optim.SGD(model.parameters(), lr=0.1), dp.generator(0),
+                    set_to_none=True)
+        assert float((_grad(model) - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max()), per_example
+
+
+def _conv_net(seed: int = 0, **conv) -> nn.Module:
+    """Two channels of 4 into 4 channels of 4 (padding 1), a linear head."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Unflatten(1, (2, 4)), nn.Conv1d(2, 4, 3, padding=1, **conv), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(16, 3))
+
+
+def _clipped(model: nn.Module, x, y, max_norm: float, per_example: str) -> torch.Tensor:
+    dp = PrivateGradient(model, max_grad_norm=max_norm, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                         per_example=per_example)
+    dp.backward(x, y, float(len(y)), torch.optim.SGD(model.parameters(), lr=0.1), dp.generator(0), set_to_none=True)
+    return _grad(model)
+
+
+def test_ghost_takes_what_opacus_gets_wrong_falls_back_for_grouped_convolutions_and_refuses_the_rest():
+    x, y = _batch(20, seed=7)
+    # a Conv1d that pads circularly: ghost's unfolded windows are right, Opacus's sampler pads with zeros
+    circular = dict(padding_mode="circular")
+    want = _clipped(_conv_net(**circular), x, y, 0.3, "vmap")
+    assert float((_clipped(_conv_net(**circular), x, y, 0.3, "ghost") - want).abs().max()) <= 2e-6 * float(
+        want.abs().max())
+    with pytest.raises(ConfigError, match="privacy.per_example=hooks.*pad with zeros"):
+        check_model(_conv_net(**circular), "pkg:circular", x, y, "hooks")
+    # a grouped Conv1d: Opacus's grad sampler inside ghost, as Opacus's own step
+    grouped = dict(groups=2)
+    build = functools.partial(_conv_net, **grouped)
+    theirs = _opacus_clipped_mean(build, x, y, 0.3, 20)
+    assert per_example_method(build()) == "ghost"
+    assert float((_clipped(build(), x, y, 0.3, "ghost") - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max())
+    # grouped and circular: neither ghost.py nor Opacus: auto takes vmap, ghost is refused by name
+    both = _conv_net(groups=2, padding_mode="circular")
+    assert per_example_method(both) == "vmap"
+    with pytest.raises(ConfigError, match=r"privacy.per_example=ghost.*Conv1d"):
+        check_model(both, "pkg:both", x, y, "ghost")
+    with pytest.raises(ConfigError, match=r"privacy.per_example=ghost.*_Scale"):
+        check_model(nn.Sequential(nn.Linear(8, 3), _Scale()), "pkg:scale", x, y, "ghost")
+
+
+def test_a_linear_layer_on_a_4d_input_counts_in_the_norms():
+    """Opacus's ghost norm sampler returns nothing for a Linear layer on (B, T1, T2, d) inputs; ghost.py takes it."""
+
+    class Grid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(4)
+            self.a, self.head = nn.Linear(2, 5), nn.Linear(20, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.a(x.view(-1, 2, 2, 2))).flatten(1))
+
+    x, y = _batch(16, seed=8)
+    want = _per_example_grads(Grid(), x, y).double().norm(dim=1)
+    dp = PrivateGradient(Grid(), max_grad_norm=1.0, noise_multiplier=0.0, noise="seeded", seed=0, rank=0,
+                         per_example="ghost")
+    assert torch.allclose(dp.norms(x, y), want, rtol=1e-5)
+    assert float((_clipped(Grid(), x, y, float(want.median()), "ghost") - _clipped(
+        Grid(), x, y, float(want.median()), "vmap")).abs().max()) <= 1e-6
+
+
+def test_ghost_leaves_a_frozen_weight_out_of_the_norms():
+    """As Opacus does: only the parameters that train have per-example gradients to clip."""
+    import warnings
+
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    def frozen():
+        model = _model(seed=3)
+        model[1].weight.requires_grad_(False)  # its bias still trains
+        return model
+
+    x, y = _batch(20, seed=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = GradSampleModule(frozen())
+        opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=0.2,
+                          expected_batch_size=20)
+        F.cross_entropy(module(x), y).backward()
+        opt.pre_step()
+    theirs = torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.requires_grad])
+    model = frozen()
+    _clipped(model, x, y, 0.2, "ghost")
+    mine = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert float((mine - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max())

@@ -118,16 +118,24 @@ def _privacy_case(model_name: str, batch: int, steps: int, seed: int) -> dict:
         their_opt.step()
 
     diff = _max_rel_diff_vs_opacus(build, x, y, seed)
+
+    def share_clipped() -> float:  # of the batch whose bound binds at ghost's current weights
+        share = float((ours["ghost"][0].norms(x, y) > 1.0).double().mean())
+        ours["ghost"][1].zero_grad(set_to_none=True)
+        return share
+
+    first = share_clipped()
     fns: Dict[str, Callable[[], None]] = {"plain": step_plain}
     fns.update({how: functools.partial(step_ours, how) for how in METHODS})
     fns["opacus"] = step_opacus
     med, wall = _interleaved(fns, steps)
+    clipped = (first, share_clipped())
     auto = per_example_method(plain)
     return {"model": model_name, "batch": batch, "params": sum(p.numel() for p in plain.parameters()),
             **{f"{k}_ms": 1e3 * v for k, v in med.items()},
             **{f"{k}_wall_ms": 1e3 * v for k, v in wall.items()},
             "auto": auto, "auto_over_plain": med[auto] / med["plain"], "opacus_over_auto": med["opacus"] / med[auto],
-            "max_rel_diff_vs_opacus": diff,
+            "max_rel_diff_vs_opacus": diff, "share_clipped": clipped,
             "auto_wall_over_plain": wall[auto] / wall["plain"], "opacus_wall_over_auto": wall["opacus"] / wall[auto]}
 
 
@@ -142,21 +150,26 @@ def bench_privacy(args) -> int:
     rows = [[r["model"], r["params"], r["batch"], *(f"{r[f'{k}_ms']:.2f}" for k in ("plain", *METHODS, "opacus")),
              r["auto"], f"{r['auto_over_plain']:.2f}x", f"{r['opacus_over_auto']:.2f}x",
              f"{r['auto_wall_over_plain']:.2f}x", f"{r['opacus_wall_over_auto']:.2f}x",
-             f"{r['max_rel_diff_vs_opacus']:.1e}"] for r in results]
+             f"{r['max_rel_diff_vs_opacus']:.1e}", "{:.0f}%, {:.0f}%".format(*(100 * v for v in r["share_clipped"]))]
+            for r in results]
     print(f"bench privacy: one DP-SGD step (clip 1, noise 1, SGD) against the plain step; median of {args.steps} "
           f"interleaved steps after 3 warm-ups, {args.threads} thread(s); {machine_load()}")
     print()
     print(fmt_table(["model", "params", "batch", "plain ms", *(f"{k} ms" for k in METHODS), "opacus ms", "auto",
-                      "auto / plain", "opacus / auto", "wall: auto / plain", "opacus / auto", "max rel diff"], rows))
+                      "auto / plain", "opacus / auto", "wall: auto / plain", "opacus / auto", "max rel diff",
+                      "clipped first, last"], rows))
     print()
     print("ms = the median step's CPU time (time.thread_time: what the step computes, not the time other processes "
           "of a shared machine hold the CPU; wall-clock ratios beside). ghost, hooks, vmap = workload/private.py "
-          "(privacy.per_example, workload/clipping.py): Opacus's fast gradient clipping (norms without per-example "
-          "gradients, a second backward when a bound binds), Opacus's per-example gradients in the one backward "
-          "(the clipped sum from them), torch.func's vmap of grad then the backward of the clipped loss; plus noise. "
+          "(privacy.per_example, workload/clipping.py): ghost norms and book-keeping (workload/ghost.py: per-example "
+          "norms without per-example gradients, the clipped sum without a second backward), Opacus's per-example "
+          "gradients in the one backward (the clipped sum from them), torch.func's vmap of grad then the backward of "
+          "the clipped loss; plus noise. "
           "auto = what privacy.per_example=auto picks for the model; opacus = Opacus's own step (GradSampleModule + "
           "DPOptimizer). max rel diff = the noiseless clipped mean gradient at clipping 0.5, ours (every way) "
-          "against Opacus's grad samples with Opacus's factor C / (||g|| + 1e-6), over its largest entry.")
+          "against Opacus's grad samples with Opacus's factor C / (||g|| + 1e-6), over its largest entry. "
+          "clipped = the share of the batch whose bound (1) binds at the first and the last timed step's weights "
+          "(ghost's): the steps timed clip, so their clipped sum is computed.")
     write_json(args.json, {"bench": "privacy", "threads": args.threads, "steps": args.steps, "results": results})
     return 0
 
