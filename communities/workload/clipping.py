@@ -85,7 +85,7 @@ class Clipper:
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
         self.model, self.max_grad_norm = model, float(max_grad_norm)
-        self.params = [p for p in model.parameters()]
+        self.params = [p for p in model.parameters() if p.requires_grad]  # a frozen one has nothing to clip
 
     def norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         """Each example's gradient norm at the current weights (float64); may leave gradients behind."""
@@ -256,7 +256,8 @@ class VmapClipper(Clipper):
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
         super().__init__(model, max_grad_norm)
-        self.names = [n for n, _ in model.named_parameters()]
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self._frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
         self._per_example = vmap(grad(self._loss_of_one), in_dims=(None, None, 0, 0))
 
     def _loss_of_one(self, params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor], x: torch.Tensor,
@@ -266,7 +267,8 @@ class VmapClipper(Clipper):
 
     def norms(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         params = {n: p.detach() for n, p in zip(self.names, self.params)}
-        buffers = {n: b.detach() for n, b in self.model.named_buffers()}
+        # frozen parameters ride with the buffers: in the forward, never differentiated
+        buffers = {**{n: b.detach() for n, b in self.model.named_buffers()}, **self._frozen}
         per = self._per_example(params, buffers, xb, yb)
         sq = torch.zeros(len(yb), dtype=torch.float64, device=yb.device)
         for g in per.values():

@@ -118,7 +118,7 @@ class PrivateGradient:
         self.model, self.poisson = model, bool(poisson)
         self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
         self.noise, self.seed, self.rank = noise, int(seed), int(rank)
-        self.params = [p for p in model.parameters()]
+        self.params = [p for p in model.parameters() if p.requires_grad]  # a frozen one gets no gradient, no noise
         self.n_params = sum(p.numel() for p in self.params)
         # secret: seeded from the OS's entropy, never written or sent (a partner who knew the noise could remove it)
         self._secret = torch.Generator().manual_seed(secrets.randbits(62)) if noise == "secret" else None

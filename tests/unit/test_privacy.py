@@ -44,7 +44,7 @@ def _per_example_grads(model: nn.Module, x, y) -> torch.Tensor:
 
 
 def _grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
 
 
 @pytest.mark.parametrize("per_example", ["vmap", "hooks", "ghost"])
@@ -404,8 +404,10 @@ def test_a_linear_layer_on_a_4d_input_counts_in_the_norms():
         Grid(), x, y, float(want.median()), "vmap")).abs().max()) <= 1e-6
 
 
-def test_ghost_leaves_a_frozen_weight_out_of_the_norms():
-    """As Opacus does: only the parameters that train have per-example gradients to clip."""
+@pytest.mark.parametrize("per_example", ["ghost", "hooks", "vmap"])
+def test_every_method_leaves_a_frozen_weight_out_of_the_norms_and_the_noise(per_example):
+    """As Opacus does: only the parameters that train have per-example gradients to clip, and noise; a frozen
+    weight gets no gradient, so no optimizer moves it (it used to get the noise alone)."""
     import warnings
 
     from opacus import GradSampleModule
@@ -426,6 +428,14 @@ def test_ghost_leaves_a_frozen_weight_out_of_the_norms():
         opt.pre_step()
     theirs = torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.requires_grad])
     model = frozen()
-    _clipped(model, x, y, 0.2, "ghost")
+    _clipped(model, x, y, 0.2, per_example)
     mine = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
     assert float((mine - theirs).abs().max()) <= 2e-6 * float(theirs.abs().max())
+    model = frozen()
+    before = model[1].weight.detach().clone()
+    dp = PrivateGradient(model, max_grad_norm=0.2, noise_multiplier=1.0, noise="seeded", seed=0, rank=0,
+                         per_example=per_example)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp.backward(x, y, float(len(y)), opt2, dp.generator(0), set_to_none=True)
+    opt2.step()
+    assert model[1].weight.grad is None and torch.equal(model[1].weight, before)
