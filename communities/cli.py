@@ -109,15 +109,19 @@ def _bench_help() -> str:
     return "benchmarks: bench " + " | ".join(visible_benchmarks())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``run`` and ``validate``, with every command of ``COMMANDS`` in its help."""
+def build_parser(helps: bool = True) -> argparse.ArgumentParser:
+    """The parser of ``run`` and ``validate``, with every command of ``COMMANDS`` in its help.
+
+    ``helps=False`` leaves out the help lines that must import something to be written (the benchmarks' list):
+    every rank of a job parses its command line, and only ``--help`` prints them."""
     names = " | ".join(c.name for c in COMMANDS)
     parser = Parser(prog="communities", description=f"communities {names}. " + plain_text(__doc__.split("\n\n")[2]))
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         if command.delegate:  # listed here; its own parser reads its arguments
-            sub.add_parser(command.name, help=command.help_text, add_help=False)
+            sub.add_parser(command.name, help=command.help_text if helps or not callable(command.help) else "",
+                           add_help=False)
         else:
             assert command.arguments is not None
             command.arguments(sub.add_parser(command.name, help=command.help_text))
@@ -267,7 +271,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     command = BY_NAME.get(argv[0]) if argv else None
     if command is not None and command.delegate:
         return command.call(argv[1:])
-    parser = build_parser()
+    parser = build_parser(helps=not argv or any(a in ("-h", "--help") for a in argv))
     args, extra = parser.parse_known_args(argv)
     # overrides may follow options (``run cfg.yaml --overwrite train.lr=0.1``)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
