@@ -72,21 +72,10 @@ class ReplicaData:
         return dataclasses.replace(self, shard=shard, x=x, y=y)
 
 
-# The built-in data sets are the same on every rank by construction (a seeded generator, or scikit-learn's bundled
-# digits): one process reads them and the others receive the arrays, so that they import neither scikit-learn nor
-# mnist1d (1.9 and 2-7 CPU-seconds a process, measured on the 2-core machine) and a cluster's shared file system
-# sees one reader, not one per rank. Any other data set is read by every rank and the copies compared.
-ONE_READER = ("digits", "synthetic", "mnist1d")
-
-
 def load_replica_data(cfg: "Config", world: WorldView, device: torch.device) -> ReplicaData:
     """A collective: read the data, check the ranks read the same, partition it and place this rank's part."""
-    if cfg.data.dataset in ONE_READER and 1 < world.processes == world.size and world.whole:
-        ds = on_every_rank(world, lambda: _read(cfg, world)[0] if world.leads else None)
-        ds, test_split, own_group = _broadcast(world, ds), "shared", None
-    else:
-        ds, fp, own_group = on_every_rank(world, lambda: _read(cfg, world))
-        test_split = _check_same_data(cfg, world, ds, fp)
+    ds, fp, own_group = on_every_rank(world, lambda: _read(cfg, world))
+    test_split = _check_same_data(cfg, world, ds, fp)
     combined = _combine_shards(cfg, world, ds, own_group) if ds.sharded else None
     return on_every_rank(world, lambda: _place(cfg, world, device, ds, test_split, combined=combined))
 
@@ -109,29 +98,6 @@ def _read(cfg: "Config", world: WorldView) -> Tuple[data.Dataset, Tuple[str, str
                               f"data.dataset={cfg.data.dataset!r} is a sharded reader (it takes rank or "
                               "world_size) and gives each rank only its own shard")
     return ds, world.shared(("fingerprint", id(ds)), lambda: data.fingerprint(ds)), own_group
-
-
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64))
-
-
-def _broadcast(world: WorldView, ds: Optional[data.Dataset]) -> data.Dataset:
-    """A collective: the lead's built-in dataset on every rank, as buffers (a shape and dtype header, then the
-    four arrays; nothing pickled)."""
-    arrays = None if ds is None else [np.ascontiguousarray(getattr(ds, k)) for k in data.ARRAY_KEYS]
-    head = np.zeros(4 + 2 * 8, dtype=np.int64)  # per array: its dtype's index; then each array's shape, padded
-    if arrays is not None:
-        head[:4] = [_DTYPES.index(a.dtype) for a in arrays]
-        for i, a in enumerate(arrays[::2]):  # x_train, x_test (the labels are one value per row)
-            head[4 + 8 * i] = a.ndim
-            head[5 + 8 * i: 5 + 8 * i + a.ndim] = a.shape
-    head = world.bcast_array(head, head.shape, np.int64, root=world.lead, what="Bcast of the dataset's shapes")
-    shapes = [tuple(int(v) for v in head[5 + 8 * i: 5 + 8 * i + int(head[4 + 8 * i])]) for i in range(2)]
-    got = [world.bcast_array(None if arrays is None else arrays[i], shape, _DTYPES[int(head[i])], root=world.lead,
-                             what=f"Bcast of the dataset's {key}")
-           for i, (key, shape) in enumerate(zip(data.ARRAY_KEYS, (shapes[0], shapes[0][:1], shapes[1],
-                                                                   shapes[1][:1])))]
-    name = world.bcast_text(None if ds is None else ds.name, root=world.lead)
-    return ds if ds is not None else data.Dataset(*got, name=name)
 
 
 def _check_same_data(cfg: "Config", world: WorldView, ds: data.Dataset, fingerprint: Tuple[str, str]) -> str:
