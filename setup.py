@@ -57,8 +57,8 @@ setup(
         # nbclient, nbformat and ipykernel execute docs/notebooks/ headless (tests/unit/test_notebook_api.py);
         # wandb and mlflow-skinny: tests/unit/test_tracking.py (offline, a file store); pytest-xdist: make test
         # runs tests/unit/ on UNIT_WORKERS processes
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "matplotlib>=3.6", "mnist1d>=0.0.2",
-                 "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6",
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "matplotlib>=3.6",
+                 "mnist1d>=0.0.2", "tensorboard>=2.10", "pandas>=1.5", "nbclient>=0.6", "nbformat>=5.1", "ipykernel>=6",
                  "wandb>=0.17", "mlflow-skinny>=2.15"],
         # pinned: a newer linter may flag new things, and CI runs make lint
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "py-spy>=0.3"],

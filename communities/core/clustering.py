@@ -523,9 +523,9 @@ def adjusted_rand(labels: np.ndarray, groups: Union[Sequence[int], np.ndarray, N
     """Adjusted Rand index of communities against planted groups (None without groups): 1 is a perfect recovery.
 
     Every rank scores every signature round, so this is computed here from the pair counts in exact integers
-    rather than by importing scikit-learn on each rank (1.9 CPU-seconds a process on the 2-core machine, more
-    than the rest of a small run's set-up); it returns scikit-learn's ``adjusted_rand_score`` bit for bit
-    (tests/unit/test_math.py): the same exact counts, then one correctly rounded division.
+    rather than by importing scikit-learn on each rank for it (1.9 CPU-seconds a process on the 2-core machine);
+    it returns scikit-learn's ``adjusted_rand_score`` bit for bit (tests/unit/test_math.py): the same exact
+    counts, then one correctly rounded division.
     """
     if groups is None:
         return None
