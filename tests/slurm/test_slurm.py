@@ -116,12 +116,11 @@ def test_preempted_job_is_requeued_and_resumes_bitwise(slurm_cluster, tmp_path, 
     the consensus weights equal an uninterrupted run's bit for bit. Under srun --kill-on-bad-exit the first
     rank to exit 75 would end the step: every rank waits until rank 0 has committed the checkpoint."""
     c = slurm_cluster
-    longer = LONGER
     t0 = time.monotonic()
     ref, t_ref = uninterrupted  # plain mpiexec, outside the allocation
 
     def submit(where: Path):
-        res = gen(tiny_config, "output.root=results", *longer, "--ntasks-per-node", 4, "--time", "00:15:00",
+        res = gen(tiny_config, "output.root=results", *LONGER, "--ntasks-per-node", 4, "--time", "00:15:00",
                   "--launcher", launcher, "--submit", cwd=where, env=c.env)
         job = res.stdout.split()[1]
         run = where / "results" / "tiny"
