@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from ..core import protocol
 from ..core import schedule as schedules
+from . import optim_calls
 
 
 class PrivateSteps(Protocol):
@@ -33,6 +34,7 @@ class PrivateSteps(Protocol):
 
 def make_optimizer(cfg, params) -> torch.optim.Optimizer:
     """SGD or AdamW from a TrainConfig."""
+    optim_calls.skip_compiler_guards()
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
                                weight_decay=cfg.weight_decay)
@@ -199,7 +201,7 @@ def _step(model, opt, x, y, idx, *, cfg, has_bn, grad_sync, private, poisson, ge
         out, loss = private.backward(xb, yb, denom, opt, gen, set_to_none=grad_sync is None)
     if grad_sync is not None:
         grad_sync()
-    opt.step()
+    optim_calls.step(opt)
     if out is None or loss is None:  # an empty Poisson batch: its step is the noise alone
         zero = torch.zeros((), dtype=torch.float64, device=x.device)
         return zero, zero
