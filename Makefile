@@ -65,9 +65,9 @@ run: install
 	OMP_NUM_THREADS=1 $(BIN)/mpiexec -n $(NP) $(BIN)/communities run $(CONFIG) --overwrite
 	MPLBACKEND=Agg $(BIN)/communities inspect results/$$($(BIN)/communities validate --no-dry-run $(CONFIG) | sed -n 's/^name: //p')
 
-# the single-process tests (tests/unit/) on UNIT_WORKERS pytest-xdist workers (one per core: 207 s on this
+# the single-process tests (tests/unit/) on UNIT_WORKERS pytest-xdist workers (one per core: 185 s on this
 # 2-core machine, against 1,004 s on one worker beside other jobs), then the MPI and SLURM tests one at a time
-# (each of their jobs already uses every core)
+# (each of their jobs already uses every core; 1,764 s here on 2026-11-29)
 test: install-test ompi
 	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -rfEs --durations=15 -n $(UNIT_WORKERS) tests/unit
 	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -rfEs --durations=25 tests/mpi tests/slurm
