@@ -225,6 +225,8 @@ class Engine:
         self.logged_t = t
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
         decision = self._round(t) if self.rounds.due(t) else None
+        if self.rounds.late_view_due(t):  # async: the round's view once the gossip table fills; its verdict
+            self._round(t)  # waits for the next round proper (where a population's replicas stop together)
         self.log.consensus(self.consensus.evaluate_due(t))
         self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss,

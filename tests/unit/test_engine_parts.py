@@ -302,3 +302,31 @@ def test_deterministic_algorithms_are_on_without_loading_the_compiler():
             "torch.is_deterministic_algorithms_warn_only_enabled(), 'torch._inductor' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "True", "False"]
+
+
+def test_an_async_round_with_a_partial_table_clusters_as_soon_as_it_fills():
+    """protocol async: a round whose gossip table lacks rows is tried again at every later unit, with the rows it
+    signed (no new row of its own), instead of waiting S more units."""
+    from types import SimpleNamespace
+
+    from communities.core.gossip_table import GossipTable
+    from communities.engine.rounds.async_rounds import GossipRounds
+
+    rounds = GossipRounds.__new__(GossipRounds)  # its gather alone: no world, replica or clustering needed
+    own = iter(np.arange(1.0, 100.0))
+    rounds.cfg = SimpleNamespace(signature=SimpleNamespace(every=5))
+    rounds.timer = Timer()
+    rounds.world = SimpleNamespace(alive=np.ones(3, dtype=bool))
+    rounds.signature = SimpleNamespace(row=lambda replica: np.full(2, next(own)))
+    rounds.replica, rounds.table, rounds.view_waiting = None, GossipTable(3, 2, 0), False
+    assert rounds._gather(5) is None and rounds.view_waiting  # signed at 5; rows 1 and 2 not yet here
+    assert rounds.late_view_due(6) and not rounds.late_view_due(10)  # (10 is a round of its own)
+    for rank, value in ((1, 7.0), (2, 9.0)):  # an exchange brings rank 1's row, then rank 2's
+        theirs = GossipTable(3, 2, rank)
+        theirs.set_own(np.full(2, value), 5)
+        if rank == 2:
+            assert rounds._gather(6) is None and rounds.late_view_due(7)  # row 2 still missing
+        rounds.table.merge(theirs.pack(np.array([rank])))
+    rows = rounds._gather(7)
+    assert rows is not None and rows[:, 0].tolist() == [1.0, 7.0, 9.0]  # its own row is the one signed at 5
+    assert not rounds.view_waiting and not rounds.late_view_due(8)

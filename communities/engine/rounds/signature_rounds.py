@@ -148,6 +148,11 @@ class SignatureRounds:
     def due(self, t: int) -> bool:
         return t % self.cfg.signature.every == 0
 
+    def late_view_due(self, t: int) -> bool:
+        """Whether a round that could not cluster at its own unit is tried again at t (``async_rounds``); never
+        under collectives, where every rank gathers every row at the round itself."""
+        return False
+
     def run(self, t: int) -> Optional[RoundResult]:
         """Sign, gather, cluster. None only for the first round of ``signature.overlap`` (nothing gathered yet)."""
         S = self._gather(t)
