@@ -225,8 +225,8 @@ class Engine:
         self.logged_t = t
         self.consensus.record(self.log.merges(self.mixer.mix(t)))
         decision = self._round(t) if self.rounds.due(t) else None
-        if self.rounds.late_view_due(t):  # async: the round's view once the gossip table fills; its verdict
-            self._round(t)  # waits for the next round proper (where a population's replicas stop together)
+        if self.rounds.late_view_due(t) and self.mixer.law(t) is None:  # async: a partner law that waits for its
+            self._round(t)  # first view gets it once the gossip table fills; the verdict waits for a round proper
         self.log.consensus(self.consensus.evaluate_due(t))
         self.progress.update(t, self.rounds.latest_count, self.rounds.last_dispersion,
                              self.replica.test_acc, self.replica.recent_loss,

@@ -3,14 +3,14 @@
 Every S of its own units a rank signs its weights into its row of the table
 (``core/gossip_table.py``); exchanges spread the rows. Once the table holds a row
 for every rank, the rank runs the same clustering as under the virtual clock on
-its own view. A round whose table was not yet full (the first: nobody had a row
-before it) is tried again at every later unit, without signing again, until it
-is: waiting for the next multiple of S left a 64-replica population on 4
-processes with no merge at all from unit 5 to 10, where the virtual clock merged
-from unit 6. Views may differ between ranks for a while: each is recorded
-(``views.jsonl``), rank 0's is written as ``rounds/round_NNNN``, and the
-summary says how much the views agreed (ARI against rank 0's view at the same
-wall time).
+its own view. While the partner law waits for its first view (community
+gossip), a round whose table was not yet full is tried again at every later
+unit, without signing again, until it is (``engine/loop.py``): waiting for the
+next multiple of S left a 64-replica population on 4 processes with no merge at
+all from unit 5 to 10, where the virtual clock merged from unit 6. Views may
+differ between ranks for a while: each is recorded (``views.jsonl``), rank 0's
+is written as ``rounds/round_NNNN``, and the summary says how much the views
+agreed (ARI against rank 0's view at the same wall time).
 """
 from __future__ import annotations
 
