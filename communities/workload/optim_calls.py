@@ -20,6 +20,7 @@ import sys
 from typing import Any, Callable, Dict, Optional, Type
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 _marked = False
 _raw_steps: Dict[Type[torch.optim.Optimizer], Optional[Callable[..., Any]]] = {}
@@ -56,8 +57,6 @@ def _raw_step(cls: Type[torch.optim.Optimizer]) -> Optional[Callable[..., Any]]:
 
 def _hooked(opt: torch.optim.Optimizer) -> bool:
     """Whether a step hook is registered (on this optimizer or on all): then torch's own step runs them."""
-    from torch.optim import optimizer as torch_optimizer
-
     mine = (getattr(opt, "_optimizer_step_pre_hooks", None), getattr(opt, "_optimizer_step_post_hooks", None))
     everyone = (getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
                 getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
