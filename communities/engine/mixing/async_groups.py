@@ -53,11 +53,12 @@ class GroupLeadMixer(PopulationMixer):
     def between_batches(self) -> Optional[Callable[[], None]]:
         return None  # (serving between batches would move the lead off its members mid-unit)
 
-    def _after_step(self) -> None:
+    def _after_step(self, restored: bool = False) -> None:
+        """``restored``: the lead's weights changed outside a merge row (the settling after a loss)."""
         rows = self.events_since(self._mark)
         self._mark += len(rows)
         mc = self.cfg.merge
-        moved = any(r.event in (Event.MERGE, Event.RESET) and r.a for r in rows)
+        moved = restored or any(r.event in (Event.MERGE, Event.RESET) and r.a for r in rows)
         cleared = any(r.event == Event.RESET or (r.event == Event.MERGE and mc.optimizer_state == "reset")
                       for r in rows)
         adopted = any(r.event == Event.ADOPT for r in rows)
@@ -66,6 +67,12 @@ class GroupLeadMixer(PopulationMixer):
     def late_events(self) -> List[MergeRow]:
         self._mark = 0
         return super().late_events()
+
+    def after_loss(self) -> None:
+        """After the settling (which may have restored or undone a merge on the lead alone): the members take the
+        lead's state again, so the group stays one model."""
+        super().after_loss()
+        self._after_step(restored=True)
 
     def drain(self) -> None:
         super().drain()
@@ -122,6 +129,7 @@ class GroupFollowerMixer(Mixer):
             self._budgets_done = self.base.ibarrier()
         if self._barrier is not None:
             self._barrier = self.base.ibarrier()
+        sync_group(self.replica, None)  # (the lead's state after the settling: GroupLeadMixer.after_loss)
 
     def drain(self) -> None:
         """The end's barriers and count exchange, as the lead posts them; then the lead's final state."""

@@ -145,10 +145,13 @@ class AsyncSurvival(Survival):
 
     def __init__(self, world, parts, *, replica, lost_shard: str, rewind, log_lost, take_over, mixer, logged_t,
                  run_dir, drop_rows: Callable[[int], None] = lambda t: None,
-                 on_shrink: Callable[[str], None] = lambda stage: None):
+                 on_shrink: Callable[[str], None] = lambda stage: None, view=None):
         super().__init__(world, parts, replica=replica, lost_shard=lost_shard, rewind=rewind, log_lost=log_lost,
                          take_over=take_over, on_shrink=on_shrink)
         self.mixer, self._logged_t, self.run_dir, self._drop_rows = mixer, logged_t, run_dir, drop_rows
+        # the ranks the mixer's exchanges name (data-parallel groups: the groups, whose leads exchange), in which
+        # the exchange rows are gathered and settled
+        self.view = world if view is None else view
         self.record = mixer.cut = mixer.make_record(replica.flat)
 
     def remember(self, t: int) -> None:
@@ -166,7 +169,7 @@ class AsyncSurvival(Survival):
                 self.on_shrink("before")
                 lost += world.recover()
                 self.on_shrink("after")
-                rows = world.allgather(self.record.row())  # every survivor's last exchange
+                rows = self.view.allgather(self.record.row())  # every survivor's last exchange (after on_shrink)
                 # a population's replicas train together: they go on from the same unit (the earliest logged)
                 t = world.together(("go on from", len(lost)), t, lambda units: [min(units)] * len(units))
                 if not world.alive[writer]:
@@ -175,9 +178,10 @@ class AsyncSurvival(Survival):
             except RankLost as again:
                 log.warning(f"communities: rank {world.rank}: another failure while recovering ({again})")
         self._drop_rows(t)  # (a replica that had logged a later unit trains it again)
-        undone = self.record.settle(rows, world.rank, world.alive)
+        undone = self.record.settle(rows, self.view.rank, self.view.alive)
         if undone:
-            log.warning(f"communities: rank {world.rank}: its exchange with rank{'s' if len(undone) > 1 else ''} "
+            who = "rank" if self.view is world else "group"
+            log.warning(f"communities: {who} {self.view.rank}: its exchange with {who}{'s' if len(undone) > 1 else ''} "
                         f"{', '.join(map(str, undone))} completed on this side only when a rank was lost; undone")
         self.mixer.after_loss()
         self._note(sorted(lost), t, detected, writer, f"(async: each from its own unit; the lead's t={t})",
