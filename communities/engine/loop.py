@@ -129,8 +129,7 @@ class Engine:
                                          on_shrink=self._regroup)
             if cfg.protocol == "async":  # nothing rolled back: the survivors settle and go on (async_survival.py)
                 self.survival = AsyncSurvival(world, rolled, mixer=self.mixer, logged_t=lambda: self.logged_t,
-                                              run_dir=self.run_dir, drop_rows=self.log.drop_after, view=view,
-                                              **hooks)
+                                              run_dir=self.run_dir, drop_rows=self.log.drop_after, view=view, **hooks)
                 self.log.seen = {}  # a final gather cut by a loss is gathered again: its rows are written once
             else:
                 self.survival = survival.Survival(world, rolled, **hooks)
