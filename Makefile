@@ -88,9 +88,9 @@ run: install
 	OMP_NUM_THREADS=1 $(BIN)/mpiexec -n $(NP) $(BIN)/communities run $(CONFIG) --overwrite
 	MPLBACKEND=Agg $(BIN)/communities inspect results/$$($(BIN)/communities validate --no-dry-run $(CONFIG) | sed -n 's/^name: //p')
 
-# the single-process tests (tests/unit/) on UNIT_WORKERS pytest-xdist workers (one per core: 185 s on this
-# 2-core machine, against 1,004 s on one worker beside other jobs), then the MPI and SLURM tests one at a time
-# (each of their jobs already uses every core; 1,764 s here on 2026-11-29)
+# the single-process tests (tests/unit/) on UNIT_WORKERS pytest-xdist workers (one per core; 1,004 s on one worker
+# beside other jobs), then the MPI and SLURM tests one at a time (each of their jobs already uses every core). A
+# fresh clone's `CI=true bash .ci/run` on 2026-11-29: 2,058 s in all, the unit tests 186 s, the MPI and SLURM 1,680 s
 test: install-test ompi
 	$(BYTECODE)
 	OMP_NUM_THREADS=1 MPLBACKEND=Agg $(PY) -m pytest -q -rfEs --durations=15 -n $(UNIT_WORKERS) tests/unit
